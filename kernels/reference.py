@@ -1,0 +1,109 @@
+"""Plain-torch references for the paged KV-cache kernels.
+
+These are the contract: every Triton kernel in this package has the same signature as its
+reference here and must match it on random inputs. The CPU path of the model service runs
+these directly.
+
+Shapes (per layer):
+    k_cache, v_cache : (num_blocks, block_size, num_kv_heads, head_dim)
+    block_tables     : (B, max_blocks_per_seq) int32, logical block i -> physical block id;
+                       entries past a sequence's last block are ignored (may hold anything)
+    seq_lens         : (B,) int32, context length of each sequence *including* the tokens of
+                       this step (their K/V are already stored when attention runs)
+
+A token at position p of a sequence lives in physical block block_tables[b, p // block_size],
+slot p % block_size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kvcache_ref(
+    key: torch.Tensor,  # (N, Hkv, D)
+    value: torch.Tensor,  # (N, Hkv, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    slot_mapping: torch.Tensor,  # (N,) int64; slot = block_id * block_size + offset; -1 = skip
+) -> None:
+    """Write each token's K and V into the caches at its slot (in place)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """(L, Hkv, D): the first seq_len tokens of one sequence, gathered through its table."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].long()
+    return cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None) -> torch.Tensor:
+    """q (Lq, Hq, D), k/v (Lk, Hkv, D) -> (Lq, Hq, D), computed in fp32.
+
+    causal_offset: query i sits at context position causal_offset + i and sees keys <= it.
+    """
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_q_heads // num_kv_heads
+    qf = q.float().transpose(0, 1)  # (Hq, Lq, D)
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, Lk, D)
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # (Hq, Lq, Lk)
+    if causal_offset is not None:
+        lq, lk = q.shape[0], k.shape[0]
+        q_pos = torch.arange(lq, device=q.device)[:, None] + causal_offset
+        k_pos = torch.arange(lk, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vf).transpose(0, 1)  # (Lq, Hq, D)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,  # (B, Hq, D): one query token per sequence (the last position)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    seq_lens: torch.Tensor,  # (B,) int32, >= 1
+    scale: float,
+) -> torch.Tensor:  # (B, Hq, D), dtype of q
+    """The query of sequence b attends to all seq_lens[b] cached tokens (GQA: query head h
+    reads KV head h // (Hq // Hkv))."""
+    out = torch.empty_like(q)
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        k = _gather_seq(k_cache, block_tables[b], seq_len)
+        v = _gather_seq(v_cache, block_tables[b], seq_len)
+        out[b] = _attend(q[b : b + 1], k, v, scale, causal_offset=None)[0].to(q.dtype)
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,  # (Nq, Hq, D): new tokens of all sequences, flattened in batch order
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    cu_seqlens_q: torch.Tensor,  # (B + 1,) int32, prefix sums of the new-token counts
+    seq_lens: torch.Tensor,  # (B,) int32, context length incl. the new tokens
+    scale: float,
+) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
+    """Causal attention for a ragged batch of new tokens whose earlier context (prefix-cache
+    hits, earlier prefill chunks) and own K/V are already in the paged cache. The new tokens
+    of sequence b occupy context positions seq_lens[b] - q_len_b .. seq_lens[b] - 1."""
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = _gather_seq(k_cache, block_tables[b], seq_len)
+        v = _gather_seq(v_cache, block_tables[b], seq_len)
+        out[q_start:q_end] = _attend(q[q_start:q_end], k, v, scale, causal_offset=seq_len - q_len).to(q.dtype)
+    return out
