@@ -1,0 +1,79 @@
+"""Helpers shared by the Triton kernels: launch-time facts about the device and the dtype.
+
+Nothing here launches a kernel. The Triton interpreter (TRITON_INTERPRET=1, CPU tensors) runs
+the same kernels as CUDA; the only difference it needs is `upcast_dot` below.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Streaming multiprocessors assumed when the tensors are not on a GPU (the interpreter):
+# an H200, so that split counts chosen under the interpreter match the ones on the GPU.
+DEFAULT_NUM_SMS = 132
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return DEFAULT_NUM_SMS
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs use exact fp32 products ("ieee"), not tf32, so fp32 matches the reference."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_dot(dtype: torch.dtype) -> bool:
+    """The Triton 3.6 interpreter returns garbage for tl.dot on bf16 operands (fp16 and fp32
+    are right), so under the interpreter bf16 operands are widened to fp32 before the product.
+    Rounding is unchanged: the values are exactly the bf16 ones."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@triton.jit
+def mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with an fp32 result."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def load_rows(ptrs, row_mask, d_mask, ROW_MASK: tl.constexpr, D_MASK: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile, masking only what needs it: a mask along the head dim
+    exists only when head_dim is not a power of two >= 16, so full rows keep 16-byte loads."""
+    if ROW_MASK:
+        if D_MASK:
+            x = tl.load(ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        if D_MASK:
+            x = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x

@@ -1,0 +1,251 @@
+"""Paged decode attention in Triton: split-KV (flash-decoding) with GQA packing.
+
+One program handles (split, KV head, sequence): the query heads that share the KV head are
+packed as the rows of one tile, so each K/V tile is read from memory once for the whole group.
+The sequence's context is cut into `num_splits` chunks (chosen at run time, see
+`pick_num_splits`); every program writes its chunk's normalised partial output and
+log-sum-exp, and a second kernel combines the chunks. With one split the first kernel writes
+the output itself and the second is skipped.
+
+Contract: `paged_decode_attention` has the signature and semantics of
+`kernels.reference.paged_decode_attention_ref`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import cdiv, dot_precision, load_rows, mma, next_pow2, num_sms, upcast_dot
+
+LOG2E = 1.4426950408889634
+
+# Heuristic constants of pick_num_splits (see its docstring).
+PROGRAMS_PER_SM = 4
+MAX_SPLITS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    block_n: int  # context tokens per loop step (any multiple of 16; pages may be smaller or larger)
+    num_warps: int
+    num_stages: int
+
+
+def default_decode_config(dtype: torch.dtype, head_dim: int) -> DecodeConfig:
+    """Tiles of about 16 KB of K (and of V) per step, three steps in flight."""
+    block_d = max(16, next_pow2(head_dim))
+    tile_bytes = 16 * 1024
+    block_n = max(16, min(64, tile_bytes // (block_d * torch.empty((), dtype=dtype).element_size())))
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3)
+
+
+def pick_num_splits(
+    batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64
+) -> int:
+    """Number of KV splits per (sequence, KV head) for the decode kernel.
+
+    The decode kernel launches batch * num_kv_heads * num_splits programs. Memory bandwidth is
+    only reached when every SM holds a few programs with loads in flight, so the split count is
+    the smallest one giving about PROGRAMS_PER_SM (4) programs per SM:
+
+        num_splits = ceil(PROGRAMS_PER_SM * num_sms / (batch * num_kv_heads))
+
+    clamped to [1, ceil(max_seq_len / block_n)] (a split smaller than one tile only adds
+    partial results to combine) and to MAX_SPLITS (256). On an H200 (132 SMs) with 8 KV heads:
+    B=1, L=32k -> 66 splits of about 512 tokens; B=1, L=1k -> 16 splits of one 64-token tile;
+    B=32 -> 3; B>=66 -> 1 (no combine kernel at all).
+
+    max_seq_len may be an upper bound (the decode wrapper passes block_tables.shape[1] *
+    block_size, known on the host without a device sync, so the choice is CUDA-graph safe);
+    chunks are sized per sequence from its own length, so shorter sequences just leave their
+    last splits empty.
+    """
+    num_programs = max(1, batch * num_kv_heads)
+    splits = cdiv(PROGRAMS_PER_SM * num_sms, num_programs)
+    splits = min(splits, cdiv(max(1, max_seq_len), block_n), MAX_SPLITS)
+    return max(1, splits)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2, num_splits,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ob, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
+    d_mask = offs_d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )  # (GROUP_PAD, BLOCK_D)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        t_mask = tok < end
+        block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
+        slot = tok % PAGE
+        k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                      t_mask, d_mask, True, D_MASK)  # (BLOCK_N, BLOCK_D)
+        s = mma(q, tl.trans(k), PRECISION, UPCAST) * scale_log2  # (GROUP_PAD, BLOCK_N)
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                      t_mask, d_mask, True, D_MASK)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION, UPCAST)
+        m_i = m_new
+
+    if DIRECT:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        # An empty split (a sequence shorter than the longest) has l = 0: lse = -inf, out = 0.
+        has_keys = l_i > 0.0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        row = (seq.to(tl.int64) * num_q_heads + q_heads) * num_splits + split  # (GROUP_PAD,)
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    row0 = (seq.to(tl.int64) * tl.num_programs(0) + head) * num_splits
+
+    offs_s = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    lse_max = tl.max(lse, 0)  # finite: split 0 always holds at least one key
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_b = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    weights = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + offs_b
+        s_mask = s < num_splits
+        w = tl.exp2(tl.load(part_lse_ptr + row0 + s, mask=s_mask, other=float("-inf")) - lse_max)
+        o = tl.load(part_out_ptr + (row0 + s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
+        weights += w
+    out = acc / tl.sum(weights, 0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def decode_with_config(
+    q: torch.Tensor,  # (B, Hq, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    seq_lens: torch.Tensor,  # (B,) int32
+    scale: float,
+    config: DecodeConfig | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # (B, Hq, D), dtype of q
+    """paged_decode_attention with an explicit tile config and split count (for tests and
+    benchmarks); None picks the defaults."""
+    batch, num_q_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
+    if config is None:
+        config = default_decode_config(q.dtype, head_dim)
+    if num_splits is None:
+        max_len = block_tables.shape[1] * page  # host-known bound: no device sync
+        num_splits = pick_num_splits(batch, num_kv_heads, max_len, num_sms(q.device), config.block_n)
+
+    group = num_q_heads // num_kv_heads
+    block_d = max(16, next_pow2(head_dim))
+    direct = num_splits == 1
+    if direct:
+        part_out = part_lse = out  # unused
+    else:
+        part_out = torch.empty((batch, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+
+    _decode_split_kernel[(num_splits, num_kv_heads, batch)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        out, part_out, part_lse,
+        scale * LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE=page, BLOCK_N=config.block_n,
+        DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if not direct:
+        _decode_combine_kernel[(num_q_heads, batch)](
+            part_out, part_lse, out,
+            num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            SPLITS_PAD=next_pow2(num_splits), BLOCK_S=min(16, next_pow2(num_splits)),
+            num_warps=4 if block_d >= 128 else 2,
+        )
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # (B, Hq, D): one query token per sequence (the last position)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    seq_lens: torch.Tensor,  # (B,) int32, >= 1
+    scale: float,
+) -> torch.Tensor:  # (B, Hq, D), dtype of q
+    """Triton version of kernels.reference.paged_decode_attention_ref."""
+    return decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, scale)

@@ -1,0 +1,206 @@
+"""Paged prefill attention in Triton: causal flash attention over a cached prefix.
+
+The new tokens of B sequences are flattened (cu_seqlens_q); the new tokens of sequence b sit at
+context positions seq_lens[b] - q_len_b .. seq_lens[b] - 1, and all K/V (cached prefix and the
+new tokens' own) are read from the paged cache through the block table.
+
+Grid: (query tiles, query heads). The tiles of all sequences are numbered without a device sync
+the way varlen flash attention does it: sequence b owns tile ids
+[cu_q[b] // BLOCK_M + b, cu_q[b + 1] // BLOCK_M + b + 1), at least ceil(q_len_b / BLOCK_M) of
+them, so Nq // BLOCK_M + B programs always cover the batch (the few spare ones return at once).
+A program finds its sequence by binary search over cu_seqlens_q. Tile ids are taken in reverse,
+so the last (longest-context) tiles start first.
+
+Each program walks the key tiles in two phases: tiles every query row of the tile may see in
+full (no mask), then the tiles across the diagonal (causal mask). Tiles past the diagonal are
+never read.
+
+Contract: `paged_prefill_attention` has the signature and semantics of
+`kernels.reference.paged_prefill_attention_ref`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import dot_precision, interpreting, load_rows, mma, next_pow2, upcast_dot
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    block_m: int  # query rows per program
+    block_n: int  # key tokens per loop step
+    num_warps: int
+    num_stages: int
+
+
+def default_prefill_config(dtype: torch.dtype, head_dim: int) -> PrefillConfig:
+    """Hopper-sized tiles for 16-bit inputs; smaller ones for fp32 (shared memory) and for the
+    interpreter (so that the small test shapes still span several tiles)."""
+    if interpreting():
+        return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    block_d = max(16, next_pow2(head_dim))
+    if dtype == torch.float32:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if block_d > 128:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M: tl.constexpr):
+    """The b with cu_q[b] // BLOCK_M + b <= tile_id < cu_q[b + 1] // BLOCK_M + b + 1."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid
+        if first_tile <= tile_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
+    scale_log2, num_seqs,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+
+    seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    m_start = (tile_id - (q_start // BLOCK_M + seq)) * BLOCK_M
+    if m_start < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        first_pos = seq_len - q_len + m_start  # context position of the tile's first query row
+        kv_end = tl.minimum(first_pos + BLOCK_M, seq_len)  # one past the last key any row sees
+        full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # keys below it are seen by every row
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
+        d_mask = offs_d < HEAD_DIM
+        rows = m_start + offs_m
+        row_mask = rows < q_len
+        q_pos = first_pos + offs_m
+        q_offs = (q_start + rows).to(tl.int64)
+        q = load_rows(q_ptr + q_offs[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                      row_mask, d_mask, True, D_MASK)  # (BLOCK_M, BLOCK_D)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+        v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+
+        # Phase 1: key tiles below the diagonal, no mask.
+        for n0 in range(0, full_end, BLOCK_N):
+            tok = n0 + offs_n
+            block = tl.load(table + tok // PAGE).to(tl.int64)
+            slot = tok % PAGE
+            k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                          offs_n, d_mask, False, D_MASK)  # (BLOCK_N, BLOCK_D)
+            s = mma(q, tl.trans(k), PRECISION, UPCAST) * scale_log2  # (BLOCK_M, BLOCK_N)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                          offs_n, d_mask, False, D_MASK)
+            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION, UPCAST)
+            m_i = m_new
+
+        # Phase 2: key tiles across the diagonal, causal mask. No row's running max stays -inf:
+        # it is finite after phase 1, or phase 2 starts at key 0, which every row sees.
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            tok = n0 + offs_n
+            t_mask = tok < kv_end
+            block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
+            slot = tok % PAGE
+            k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                          t_mask, d_mask, True, D_MASK)
+            s = mma(q, tl.trans(k), PRECISION, UPCAST) * scale_log2
+            visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                          t_mask, d_mask, True, D_MASK)
+            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION, UPCAST)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + q_offs[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def prefill_with_config(
+    q: torch.Tensor,  # (Nq, Hq, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    cu_seqlens_q: torch.Tensor,  # (B + 1,) int32
+    seq_lens: torch.Tensor,  # (B,) int32
+    scale: float,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
+    """paged_prefill_attention with an explicit tile config (for tests and benchmarks)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
+    if config is None:
+        config = default_prefill_config(q.dtype, head_dim)
+    num_tiles = num_tokens // config.block_m + num_seqs
+    _prefill_kernel[(num_tiles, num_q_heads)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        scale * LOG2E, num_seqs,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE=page,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # (Nq, Hq, D): new tokens of all sequences, flattened in batch order
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    cu_seqlens_q: torch.Tensor,  # (B + 1,) int32, prefix sums of the new-token counts
+    seq_lens: torch.Tensor,  # (B,) int32, context length incl. the new tokens
+    scale: float,
+) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
+    """Triton version of kernels.reference.paged_prefill_attention_ref."""
+    return prefill_with_config(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)

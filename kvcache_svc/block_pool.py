@@ -1,0 +1,130 @@
+"""One pool of KV-cache block ids (device or host): ref counts, free list, prefix-hash index, LRU.
+
+No torch here: a block is an id, a ref count and, once full and computed, a chained hash.
+Every block is exactly one of
+    free    ref 0, no hash, in `free_ids`
+    used    ref > 0
+    cached  ref 0, hashed, in `lru` (oldest first): reusable by a prefix hit until evicted
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+
+class Tier(enum.IntEnum):
+    DEVICE = 0
+    HOST = 1
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None  # kept with the hash: a hit compares tokens too
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, tier: Tier) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.tier = tier
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.lru: OrderedDict[int, None] = OrderedDict()  # cached-unreferenced, oldest first
+        self.hash_to_block: dict[int, int] = {}
+        self.num_evictions = 0
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: free ones plus evictable cached ones."""
+        return len(self.free_ids) + len(self.lru)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        block_id = self.hash_to_block.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return block_id
+
+    # ----------------------------------------------------------------- mutations
+    def allocate(self, num: int) -> list[int]:
+        """Take `num` blocks with ref 1: free ones first, then evict least recently used
+        cached ones. The caller has checked num_free_blocks."""
+        assert num <= self.num_free_blocks, (num, self.num_free_blocks)
+        ids = []
+        for _ in range(num):
+            if self.free_ids:
+                block_id = self.free_ids.popleft()
+            else:
+                block_id, _ = self.lru.popitem(last=False)
+                self._drop_hash(self.blocks[block_id])
+                self.num_evictions += 1
+            self.blocks[block_id].ref_count = 1
+            ids.append(block_id)
+        return ids
+
+    def acquire(self, block_id: int) -> None:
+        """One more reference to an existing block (prefix hit or fork)."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.lru[block_id]  # a ref-0 block we may acquire is always a cached one
+        block.ref_count += 1
+
+    def release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"double free of block {block_id}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self.lru[block_id] = None  # most recent at the end
+            else:
+                self.free_ids.append(block_id)
+
+    def set_hash(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> bool:
+        """Register a full, computed block. False if another block already holds that hash
+        (the first one stays the canonical copy; this one frees normally)."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            return block.block_hash == block_hash
+        if block_hash in self.hash_to_block:
+            return False
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.hash_to_block[block_hash] = block_id
+        return True
+
+    def _drop_hash(self, block: Block) -> None:
+        if block.block_hash is not None:
+            del self.hash_to_block[block.block_hash]
+            block.block_hash, block.token_ids = None, None
+
+    # ----------------------------------------------------------------- checks
+    def check(self, referenced: dict[int, int]) -> None:
+        """Invariant: every block exactly one of free/used/cached, and ref counts equal the
+        number of table entries (`referenced`: block id -> count) pointing at each block."""
+        free, cached = set(self.free_ids), set(self.lru)
+        assert len(free) == len(self.free_ids), "a block is twice in the free list"
+        assert not (free & cached), "a block is both free and cached"
+        for block in self.blocks:
+            refs = referenced.get(block.block_id, 0)
+            assert block.ref_count == refs, (
+                f"{self.tier.name} block {block.block_id}: ref {block.ref_count} but {refs} table entries"
+            )
+            is_free, is_cached, is_used = block.block_id in free, block.block_id in cached, block.ref_count > 0
+            assert is_free + is_cached + is_used == 1, f"{self.tier.name} block {block.block_id} in {is_free, is_cached, is_used}"
+            if is_free:
+                assert block.block_hash is None, f"free block {block.block_id} keeps a hash"
+            if is_cached:
+                assert block.block_hash is not None, f"cached block {block.block_id} has no hash"
+            if block.block_hash is not None:
+                assert self.hash_to_block.get(block.block_hash) == block.block_id
+        assert len(free) + len(cached) + sum(b.ref_count > 0 for b in self.blocks) == self.num_blocks
+        assert len(self.hash_to_block) == sum(b.block_hash is not None for b in self.blocks)

@@ -1,0 +1,242 @@
+"""KVCacheManager: the mechanism behind the scheduler's block decisions.
+
+It owns the two pools, each sequence's block table (logical -> physical, with its tier) and
+the prefix cache. It answers "can / cannot" and returns ids and copy lists; it never decides
+who runs or who is preempted (that is the scheduler's policy). When blocks run short an
+operation returns `NoFreeBlocks` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+
+from kvcache_svc.block_pool import BlockPool, Tier
+
+
+@dataclass(slots=True, frozen=True)
+class NoFreeBlocks:
+    """Typed 'not enough blocks': how many were needed and how many the pool could give."""
+
+    needed: int
+    available: int
+    tier: Tier = Tier.DEVICE
+
+    def __bool__(self) -> bool:  # lets callers write `if not result:`
+        return False
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    num_tokens: int  # always a multiple of block_size
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class Allocated:
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (not to be computed)
+    num_new_tokens: int  # tokens to compute this step (clamped to what the prompt has left)
+    block_ids: list[int]  # the whole table
+
+
+@dataclass(slots=True)
+class Appended:
+    new_block_ids: list[int]  # added at the end of the table
+    copies: list[tuple[int, int]] = field(default_factory=list)  # device (src, dst) copy-on-write
+    replaced: list[tuple[int, int]] = field(default_factory=list)  # (table index, new block id)
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    tier: Tier
+    block_ids: list[int]
+    extra_key: str | None = None
+    num_hashed_blocks: int = 0  # leading full blocks whose chain hash is known
+    last_hash: int | None = None  # chain hash of block num_hashed_blocks - 1
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_key: str | None) -> int:
+    """Chained block hash, stable across processes (it is persisted in the metadata store)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent_hash or 0).to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    if extra_key:
+        h.update(extra_key.encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pools = {Tier.DEVICE: BlockPool(num_device_blocks, Tier.DEVICE), Tier.HOST: BlockPool(num_host_blocks, Tier.HOST)}
+        self.seqs: dict[str, SeqBlocks] = {}
+        self.num_prefix_queries = 0  # prompt tokens looked up
+        self.num_prefix_hits = 0  # of those, tokens served from the cache
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def device(self) -> BlockPool:
+        return self.pools[Tier.DEVICE]
+
+    @property
+    def host(self) -> BlockPool:
+        return self.pools[Tier.HOST]
+
+    def num_free_blocks(self, tier: Tier = Tier.DEVICE) -> int:
+        return self.pools[tier].num_free_blocks
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self.seqs[seq_id].block_ids
+
+    def tier(self, seq_id: str) -> Tier:
+        return self.seqs[seq_id].tier
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, token_ids: list[int], extra_key: str | None = None) -> PrefixHit:
+        """Longest run of full cached device blocks that starts the prompt. At least the last
+        prompt token is always left to compute (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return PrefixHit(0, [])
+        bs = self.block_size
+        block_ids: list[int] = []
+        parent = None
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = hash_block(parent, tokens, extra_key)
+            block_id = self.device.lookup(parent, tokens)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return PrefixHit(len(block_ids) * bs, block_ids)
+
+    # ----------------------------------------------------------------- operations
+    def allocate(self, seq_id: str, token_ids: list[int], num_new_tokens: int, extra_key: str | None = None) -> Allocated | NoFreeBlocks:
+        """New sequence: take its longest cached prefix, then blocks for `num_new_tokens`
+        more tokens (clamped to the rest of the prompt)."""
+        assert seq_id not in self.seqs, f"sequence {seq_id} already has blocks"
+        hit = self.match_prefix(token_ids, extra_key)
+        num_new_tokens = max(1, min(num_new_tokens, len(token_ids) - hit.num_tokens))
+        num_needed = self.num_blocks_for(hit.num_tokens + num_new_tokens) - len(hit.block_ids)
+        # Hit blocks that sit in the LRU stop being evictable once we take them.
+        available = self.device.num_free_blocks - sum(self.device.blocks[b].ref_count == 0 for b in hit.block_ids)
+        if num_needed > available:
+            return NoFreeBlocks(num_needed, available)
+        for block_id in hit.block_ids:
+            self.device.acquire(block_id)
+        block_ids = hit.block_ids + self.device.allocate(num_needed)
+        self.seqs[seq_id] = SeqBlocks(Tier.DEVICE, block_ids, extra_key, len(hit.block_ids), self._chain_hash(hit, token_ids, extra_key))
+        if self.enable_prefix_caching:
+            self.num_prefix_queries += len(token_ids)
+            self.num_prefix_hits += hit.num_tokens
+        return Allocated(hit.num_tokens, num_new_tokens, block_ids)
+
+    def _chain_hash(self, hit: PrefixHit, token_ids: list[int], extra_key: str | None) -> int | None:
+        if not hit.block_ids:
+            return None
+        return self.device.blocks[hit.block_ids[-1]].block_hash
+
+    def append_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> Appended | NoFreeBlocks:
+        """Make room to write positions [num_computed, num_computed + num_new). A block that
+        will be written while shared (ref > 1, e.g. after a fork) is copied first."""
+        seq = self.seqs[seq_id]
+        assert seq.tier == Tier.DEVICE, f"sequence {seq_id} is swapped out"
+        pool, bs = self.device, self.block_size
+        first_written = num_computed_tokens // bs
+        shared = [i for i in range(first_written, len(seq.block_ids)) if pool.blocks[seq.block_ids[i]].ref_count > 1]
+        num_grow = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - len(seq.block_ids))
+        num_needed = num_grow + len(shared)
+        if num_needed > pool.num_free_blocks:
+            return NoFreeBlocks(num_needed, pool.num_free_blocks)
+        result = Appended([])
+        for index in shared:
+            old = seq.block_ids[index]
+            (new,) = pool.allocate(1)
+            if index * bs < num_computed_tokens:  # holds computed tokens: copy them over
+                result.copies.append((old, new))
+            pool.release(old)
+            seq.block_ids[index] = new
+            result.replaced.append((index, new))
+        result.new_block_ids = pool.allocate(num_grow)
+        seq.block_ids.extend(result.new_block_ids)
+        return result
+
+    def cache_blocks(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Register the chain hashes of blocks that are now full and computed, so later
+        requests can hit them (also after this sequence frees them)."""
+        if not self.enable_prefix_caching:
+            return
+        seq = self.seqs[seq_id]
+        if seq.tier != Tier.DEVICE:
+            return
+        bs = self.block_size
+        for i in range(seq.num_hashed_blocks, min(num_computed_tokens // bs, len(seq.block_ids))):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            seq.last_hash = hash_block(seq.last_hash, tokens, seq.extra_key)
+            self.device.set_hash(seq.block_ids[i], seq.last_hash, tokens)
+            seq.num_hashed_blocks = i + 1
+
+    def free(self, seq_id: str) -> None:
+        """Drop a sequence; its blocks go back tail first, so tails are evicted first."""
+        seq = self.seqs.pop(seq_id)
+        pool = self.pools[seq.tier]
+        for block_id in reversed(seq.block_ids):
+            pool.release(block_id)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent; writes into shared blocks copy first."""
+        parent = self.seqs[parent_id]
+        assert child_id not in self.seqs
+        pool = self.pools[parent.tier]
+        for block_id in parent.block_ids:
+            pool.acquire(block_id)
+        self.seqs[child_id] = SeqBlocks(parent.tier, list(parent.block_ids), parent.extra_key, parent.num_hashed_blocks, parent.last_hash)
+
+    def swap_out(self, seq_id: str) -> list[tuple[int, int]] | NoFreeBlocks:
+        """Move a sequence's blocks to the host pool; returns (device, host) copies."""
+        return self._move(seq_id, Tier.DEVICE, Tier.HOST)
+
+    def swap_in(self, seq_id: str) -> list[tuple[int, int]] | NoFreeBlocks:
+        """Bring a swapped sequence back; returns (host, device) copies."""
+        return self._move(seq_id, Tier.HOST, Tier.DEVICE)
+
+    def _move(self, seq_id: str, src_tier: Tier, dst_tier: Tier) -> list[tuple[int, int]] | NoFreeBlocks:
+        seq = self.seqs[seq_id]
+        assert seq.tier == src_tier, f"sequence {seq_id} is on {seq.tier.name}, not {src_tier.name}"
+        src, dst = self.pools[src_tier], self.pools[dst_tier]
+        if len(seq.block_ids) > dst.num_free_blocks:
+            return NoFreeBlocks(len(seq.block_ids), dst.num_free_blocks, dst_tier)
+        new_ids = dst.allocate(len(seq.block_ids))
+        copies = list(zip(seq.block_ids, new_ids))
+        for block_id in reversed(seq.block_ids):
+            src.release(block_id)
+        seq.tier, seq.block_ids = dst_tier, new_ids
+        # Host blocks are not in the prefix index; hashes are registered again once back.
+        seq.num_hashed_blocks, seq.last_hash = 0, None
+        return copies
+
+    # ----------------------------------------------------------------- checks
+    def check_invariants(self) -> None:
+        """Every block exactly one of free / used / cached, counts add up, and no table
+        points at a block that is not referenced. Raises AssertionError otherwise."""
+        for tier, pool in self.pools.items():
+            referenced: dict[int, int] = {}
+            for seq in self.seqs.values():
+                if seq.tier == tier:
+                    for block_id in seq.block_ids:
+                        referenced[block_id] = referenced.get(block_id, 0) + 1
+            pool.check(referenced)
+
+    def all_free_or_cached(self) -> bool:
+        return not self.seqs and all(pool.num_used_blocks == 0 for pool in self.pools.values())

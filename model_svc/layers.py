@@ -1,0 +1,167 @@
+"""Building blocks shared by the model families: RMSNorm (with fused residual add), rotary
+embedding, SiluAndMul, merged linear projections, and the paged Attention layer.
+
+Tokens of all sequences in a step are flattened into one batch of N tokens; there is no
+batch or padding dimension anywhere below the model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import KernelOps
+from model_svc.attention_metadata import AttentionMetadata
+from model_svc.config import RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in fp32 as in HF Llama/Qwen."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused residual add (vLLM style): x += residual, then norm. Returns (normed, new
+        residual); with residual None the new residual is x itself."""
+        if residual is not None:
+            x = x + residual
+        return self.norm(x), x
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """(D/2,) fp32 inverse frequencies, as transformers' rope init functions compute them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_len / scaling.low_freq_factor
+        high_freq_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    if scaling.rope_type != "default":
+        raise ValueError(f"unsupported rope_type {scaling.rope_type!r}")
+    return inv_freq
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style (rotate_half) rotation. x (N, H, D); cos/sin (N, 1, D/2) in x's dtype."""
+    x1, x2 = x.chunk(2, dim=-1)  # (N, H, D/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin cache for positions [0, max_positions), computed in fp32 once and stored in the
+    model dtype (as HF casts cos/sin to the activations' dtype)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling = RopeScaling()) -> None:
+        super().__init__()
+        assert head_dim % 2 == 0, f"rotary head_dim must be even, got {head_dim}"
+        inv_freq = _inv_freq(head_dim, theta, scaling)  # (D/2,)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, D/2)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # (P, D): [cos | sin]
+        self.register_buffer("cos_sin_cache", cache.to(torch.get_default_dtype()), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (N,) int64 -> cos, sin each (N, 1, D/2); computed once per step."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+class SiluAndMul(nn.Module):
+    """(N, 2I) [gate | up] -> (N, I) silu(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of the same input as one Linear (e.g. q|k|v, gate|up). The loader
+    fills each checkpoint tensor into its row slice with load_shard."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_slices: dict[str, slice] = {}
+        start = 0
+        for name, size in shard_sizes.items():
+            self.shard_slices[name] = slice(start, start + size)
+            start += size
+
+    @torch.no_grad()
+    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
+        param: torch.Tensor = getattr(self, param_name)
+        rows = param[self.shard_slices[shard]]
+        if rows.shape != tensor.shape:
+            raise ValueError(f"shard {shard!r} of {param_name}: expected shape {tuple(rows.shape)}, got {tuple(tensor.shape)}")
+        rows.copy_(tensor)
+
+
+def _is_empty(cache: torch.Tensor | None) -> bool:
+    return cache is None or cache.numel() == 0
+
+
+class Attention(nn.Module):
+    """Paged attention over one layer's cache: store this step's K/V, then attend.
+
+    With an empty cache (the profiling forward before the pools exist) the store is skipped
+    and each sequence attends causally to its own new tokens only.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops: KernelOps) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, f"{num_heads} q heads not a multiple of {num_kv_heads} kv heads"
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.ops = ops
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (N, Hq, D)
+        k: torch.Tensor,  # (N, Hkv, D)
+        v: torch.Tensor,  # (N, Hkv, D)
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,  # each (num_blocks, block_size, Hkv, D)
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # (N, Hq, D)
+        k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
+        if _is_empty(k_cache) or _is_empty(v_cache):
+            return self._causal_no_cache(q, k, v, attn.cu_seqlens_q)
+        self.ops.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
+        if attn.is_decode:
+            return self.ops.paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
+        return self.ops.paged_prefill_attention(
+            q, k_cache, v_cache, attn.block_tables, attn.cu_seqlens_q, attn.seq_lens, self.scale
+        )
+
+    def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+        group = self.num_heads // self.num_kv_heads
+        out = torch.empty_like(q)
+        starts = cu_seqlens_q.tolist()
+        for start, end in zip(starts[:-1], starts[1:]):
+            if end == start:
+                continue
+            qs = q[start:end].transpose(0, 1)  # (Hq, L, D)
+            ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, L, D)
+            vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
+            out[start:end] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,42 @@
+"""Model families by ModelConfig.family. A new family is one small module plus a line here."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from kernels import KernelOps
+from model_svc.config import ModelConfig
+from model_svc.models.llama import LlamaForCausalLM
+
+# Mistral is structurally Llama; Qwen2/Qwen3 differ only by flags (q/k/v bias, q/k norm).
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """An eval-mode model with (default-initialised) parameters created directly on device in
+    dtype; the loader or build_random_model fills the weights."""
+    cls = MODEL_REGISTRY.get(config.family)
+    if cls is None:
+        raise ValueError(f"no model for family {config.family!r}; known: {', '.join(MODEL_REGISTRY)}")
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(config, ops)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,162 @@
+"""Llama-style decoder for the paged cache; also Mistral, Qwen2 (q/k/v bias) and Qwen3
+(per-head q/k RMSNorm) through ModelConfig flags.
+
+The model sees a flat batch of N new tokens (all sequences of a step concatenated), their
+positions, one (k_cache, v_cache) pair per layer and the step's AttentionMetadata. It knows
+nothing about requests or tokenization. Parameter names follow the HF checkpoints, except
+that q/k/v and gate/up are merged (see packed_modules_mapping).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import KernelOps
+from model_svc.attention_metadata import AttentionMetadata
+from model_svc.config import ModelConfig
+from model_svc.layers import Attention, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (N, hidden)
+        cos: torch.Tensor,  # (N, 1, D/2)
+        sin: torch.Tensor,  # (N, 1, D/2)
+        kv_cache: KVCache | None,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # (N, hidden)
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # (N, Hq, D)
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()  # (N, Hkv, D)
+        if self.qk_norm:
+            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = self.attn(q, k, v, kv_cache, attn)  # (N, Hq, D)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, hidden)
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # via (N, 2I) -> (N, I)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, ops)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (N, hidden): the previous layer's output, not yet added to residual
+        residual: torch.Tensor | None,  # (N, hidden) or None before the first layer
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache | None,
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (N,) int64
+        positions: torch.Tensor,  # (N,) int64
+        kv_caches: list[KVCache] | None,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # (N, hidden)
+        x = self.embed_tokens(input_ids)  # (N, hidden)
+        cos, sin = self.rotary_emb.cos_sin(positions)  # (N, 1, D/2) each, shared by all layers
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, kv_caches[i] if kv_caches is not None else None, attn)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """hidden = model(input_ids, positions, kv_caches, attn); logits = model.compute_logits(hidden)."""
+
+    # HF checkpoint module name -> (our merged module name, shard)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, ops)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (N,) int64
+        positions: torch.Tensor,  # (N,) int64
+        kv_caches: list[KVCache] | None,  # one (k_cache, v_cache) per layer; None/empty = profiling
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # (N, hidden)
+        return self.model(input_ids, positions, kv_caches, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (M, hidden) -> (M, vocab) fp32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,210 @@
+"""ModelRunner: weights, the KV tensors of both pools, copy lists, forward and sampling.
+
+The runner sees token ids and block ids only. Per sequence it keeps the block table, the
+tokens fed so far (for penalties) and the sampling state; each step brings the diffs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from kernels import select_ops
+from model_svc.attention_metadata import AttentionMetadata
+from model_svc.kv_cache import KVCachePools
+from model_svc.loader import load_model
+from model_svc.sampler import Sampler, SamplingBatch
+from model_svc.step import SampledToken, SeqStep, StepInput, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _SeqState:
+    sampling: Any
+    num_prompt_tokens: int
+    block_table: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # every token fed, by position
+    generator: torch.Generator | None = None
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        block_size: int = 16,
+        num_device_blocks: int | None = None,
+        num_host_blocks: int | Callable[[int, int], int] = 0,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        kernel_backend: str | None = None,
+        device_memory_fraction: float = 0.9,
+        cpu_kv_cache_bytes: int = 256 << 20,
+        max_num_batched_tokens: int = 8192,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if isinstance(dtype, str):
+            dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+        self.dtype = dtype or default_dtype(self.device)
+        self.ops = select_ops(self.device, kernel_backend)
+        if model is None:
+            model, _ = load_model(model_path, device=self.device, dtype=self.dtype, ops=self.ops)
+        self.model = model
+        self.config = model.config
+        self.block_size = block_size
+        if num_device_blocks is None:
+            num_device_blocks = self._profile_num_blocks(device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens)
+        if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
+            num_host_blocks = num_host_blocks(num_device_blocks, KVCachePools.bytes_per_block(self.config, block_size, self.dtype))
+        self.pools = KVCachePools(self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype)
+        self.sampler = Sampler()
+        self.seqs: dict[str, _SeqState] = {}
+        logger.info("model runner: %s on %s (%s), kernels=%s, %d device blocks, %d host blocks",
+                    type(model).__name__, self.device, self.dtype, self.ops.name, num_device_blocks, num_host_blocks)
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self.pools.num_device_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.pools.num_host_blocks
+
+    # ----------------------------------------------------------------- sizing
+    def _profile_num_blocks(self, fraction: float, cpu_bytes: int, max_tokens: int) -> int:
+        block_bytes = KVCachePools.bytes_per_block(self.config, self.block_size, self.dtype)
+        if self.device.type != "cuda":
+            return max(16, cpu_bytes // block_bytes)
+        # One forward at the largest batch without a cache measures the activation peak.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(max_tokens, self.config.max_position_embeddings)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
+            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            is_decode=False, max_seq_len=n,
+        )
+        with torch.inference_mode():
+            hidden = self.model(ids, torch.arange(n, device=self.device), [(None, None)] * self.config.num_hidden_layers, meta)
+            self.model.compute_logits(hidden[-256:])
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        in_use = torch.cuda.memory_allocated(self.device)
+        budget = int(total * fraction) - (total - free) - (peak - in_use)
+        num = budget // block_bytes
+        if num < 16:
+            raise RuntimeError(f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after the weights")
+        return int(num)
+
+    # ----------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def step(self, inp: StepInput) -> StepOutput:
+        for seq_id in inp.finished:
+            self.seqs.pop(seq_id, None)
+        # Swap-outs first: a block they free may be the target of a copy, swap-in or write;
+        # copies before swap-ins: a copy's source may have been freed and handed out again.
+        self.pools.swap_out(inp.swap_out)
+        self.pools.copy_device(inp.copies)
+        self.pools.swap_in(inp.swap_in)
+        if not inp.seqs:
+            return StepOutput()
+        for s in inp.seqs:
+            self._update_seq(s)
+        input_ids, positions, meta, sample_rows = self._prepare(inp.seqs)
+        hidden = self.model(input_ids, positions, self.pools.layer_caches, meta)
+        if not sample_rows:
+            return StepOutput()
+        logits = self.model.compute_logits(hidden[torch.tensor([r for r, _ in sample_rows], device=self.device)])
+        return self._sample(logits, [s for _, s in sample_rows])
+
+    def _update_seq(self, s: SeqStep) -> None:
+        state = self.seqs.get(s.seq_id)
+        if state is None or s.sampling is not None:
+            if s.sampling is None:
+                raise KeyError(f"unknown sequence {s.seq_id!r}: its first step must carry sampling params")
+            if state is None:
+                gen = None
+                if getattr(s.sampling, "seed", None) is not None:
+                    gen = torch.Generator(device=self.device)
+                    gen.manual_seed(s.sampling.seed)
+                prompt = list(s.prompt_token_ids or [])
+                state = _SeqState(s.sampling, len(prompt), token_ids=prompt, generator=gen)
+                self.seqs[s.seq_id] = state
+        if s.table_blocks is not None:
+            del state.block_table[s.table_start:]
+            state.block_table.extend(s.table_blocks)
+        end = s.start_pos + len(s.token_ids)
+        del state.token_ids[s.start_pos:]
+        if len(state.token_ids) < s.start_pos:  # history unknown (restart): pad, positions matter
+            state.token_ids.extend([-1] * (s.start_pos - len(state.token_ids)))
+        state.token_ids.extend(s.token_ids)
+        if end > len(state.block_table) * self.block_size:
+            raise ValueError(f"sequence {s.seq_id!r}: {end} tokens but only {len(state.block_table)} blocks")
+
+    def _prepare(self, seqs: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, SeqStep]]]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_index: list[int] = []
+        cu = [0]
+        seq_lens = []
+        sample_rows = []
+        for b, s in enumerate(seqs):
+            n = len(s.token_ids)
+            input_ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, s.start_pos + n))
+            seq_index.extend([b] * n)
+            cu.append(cu[-1] + n)
+            seq_lens.append(s.start_pos + n)
+            if s.sample:
+                sample_rows.append((cu[-1] - 1, s))
+        tables = [self.seqs[s.seq_id].block_table for s in seqs]
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        block_tables = torch.tensor(padded, dtype=torch.int32).to(dev, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
+        idx = torch.tensor(seq_index, dtype=torch.long).to(dev, non_blocking=True)
+        bs = self.block_size
+        slot_mapping = block_tables[idx, pos // bs].long() * bs + pos % bs
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+            is_decode=cu[-1] == len(seqs),
+            max_seq_len=max(seq_lens),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
+        return ids, pos, meta, sample_rows
+
+    def _sample(self, logits: torch.Tensor, seqs: list[SeqStep]) -> StepOutput:
+        states = [self.seqs[s.seq_id] for s in seqs]
+        batch = SamplingBatch.build(
+            [st.sampling for st in states],
+            [st.token_ids[: st.num_prompt_tokens] for st in states],
+            [st.token_ids[st.num_prompt_tokens :] for st in states],
+            [st.generator for st in states],
+            self.device,
+        )
+        result = self.sampler(logits, batch)
+        token_ids = result.token_ids.tolist()
+        out = StepOutput()
+        for i, s in enumerate(seqs):
+            sampled = SampledToken(s.seq_id, token_ids[i])
+            if result.logprobs is not None and result.logprobs[i] is not None:
+                sampled.logprob, sampled.top_logprobs = result.logprobs[i]
+            out.sampled.append(sampled)
+        return out

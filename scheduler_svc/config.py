@@ -1,0 +1,61 @@
+"""EngineConfig: one frozen config for the embedded engine, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+BUNDLED_MODEL = str(Path(__file__).resolve().parent.parent / "model_svc" / "bundled" / "stories260k")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = BUNDLED_MODEL
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # the device pool, whatever the device; None = measure
+    num_cpu_blocks: int | None = None  # the host (swap) pool; None = from swap_space_gib
+    swap_space_gib: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "swap"  # "swap" | "recompute"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    kernel_backend: str | None = None  # None: triton on cuda, torch otherwise
+    enforce_eager: bool = False  # True: no CUDA graphs
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two, got {bs!r}")
+        for name in ("num_gpu_blocks", "num_cpu_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.swap_space_gib < 0:
+            raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.dtype not in (None, "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kernel_backend not in (None, "torch", "triton"):
+            raise ValueError(f"kernel_backend must be 'torch' or 'triton', got {self.kernel_backend!r}")
+        if not Path(self.model).is_dir():
+            raise FileNotFoundError(f"model directory not found: {self.model}")
+
+    def resolve_num_cpu_blocks(self, num_device_blocks: int, block_bytes: int) -> int:
+        """The host pool: given, or the swap space in blocks (at most 4x the device pool)."""
+        if self.num_cpu_blocks is not None:
+            return self.num_cpu_blocks
+        return min(int(self.swap_space_gib * 2**30) // block_bytes, 4 * num_device_blocks)

@@ -1,0 +1,207 @@
+"""LLMEngine: the scheduler loop of one engine step, in process.
+
+add_request -> step() -> RequestOutputs. Text exists only here: prompts are tokenized on
+the way in and generated ids detokenized incrementally on the way out; the KV-cache and
+model sides see ids only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvcache_svc import KVCacheManager
+from model_svc.step import StepInput, StepOutput
+from scheduler_svc.config import EngineConfig
+from scheduler_svc.detokenizer import DetokenizerState, IncrementalDetokenizer
+from scheduler_svc.outputs import RequestOutput
+from scheduler_svc.request import Request
+from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelClient(Protocol):
+    """The scheduler's view of the model service (in process, or a gRPC stub)."""
+
+    num_device_blocks: int
+    num_host_blocks: int
+
+    def step(self, inp: StepInput) -> StepOutput: ...
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Per-request text state."""
+
+    prompt: str | None
+    detok: DetokenizerState
+    emitted_text: int = 0  # characters of detok.text already handed out
+    emitted_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: ModelClient | None = None, tokenizer=None, model_config=None) -> None:
+        self.config = config
+        if model is None:
+            from model_svc.runner import ModelRunner
+
+            model = ModelRunner(
+                config.model,
+                block_size=config.block_size,
+                num_device_blocks=config.num_gpu_blocks,
+                num_host_blocks=lambda num_device, block_bytes: config.resolve_num_cpu_blocks(num_device, block_bytes),
+                device=config.device,
+                dtype=config.dtype,
+                kernel_backend=config.kernel_backend,
+                device_memory_fraction=config.gpu_memory_utilization,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+            )
+        self.model = model
+        self.model_config = model_config if model_config is not None else model.config
+        if tokenizer is None:
+            from model_svc.loader import load_tokenizer
+
+            tokenizer = load_tokenizer(config.model)
+        self.tokenizer = tokenizer
+        self.kv = KVCacheManager(model.num_device_blocks, model.num_host_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.enable_chunked_prefill), self.kv
+        )
+        self.max_model_len = min(self.model_config.max_position_embeddings, model.num_device_blocks * config.block_size)
+        if config.max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, config.max_model_len)
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._detokenizers: dict[bool, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    # ----------------------------------------------------------------- requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[:5]}")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None, cache_salt: str | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < vocab size {vocab}")
+        req = Request(request_id, token_ids, params, self.eos_token_ids, cache_salt)
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        detok = self._detokenizer(params.skip_special_tokens)
+        self._streams[request_id] = _Stream(prompt if isinstance(prompt, str) else None, detok.start(len(token_ids)))
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; None if it is unknown or already done."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        inp = sched.step
+        if not (inp.seqs or inp.swap_out or inp.swap_in or inp.copies or inp.finished):
+            if self.scheduler.has_unfinished() and not self.scheduler.running:
+                raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
+            return []
+        result = self.model.step(inp)
+        self.scheduler.update(sched)
+        return self._process(sched, result)
+
+    def _process(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+        sampled = {t.seq_id: t for t in result.sampled}
+        outputs = []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = s.request
+            if not s.sample or req.finished:
+                continue
+            token = sampled[req.request_id]
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.token_ids.append(token.token_id)
+            if req.sampling.logprobs is not None and token.logprob is not None:
+                req.logprobs.append((token.logprob, token.top_logprobs or []))
+            self._check_stop(req)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _check_stop(self, req: Request) -> None:
+        params, stream = req.sampling, self._streams[req.request_id]
+        token = req.token_ids[-1]
+        delta = self._detokenizer(params.skip_special_tokens).step(stream.detok, req.token_ids)
+        if params.stop and delta:
+            text = stream.detok.text
+            longest = max(len(s) for s in params.stop)
+            start = max(0, len(text) - len(delta) - longest + 1)
+            hits = [(text.find(s, start), s) for s in params.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                idx, s = min(hits)
+                stream.detok.text = text[:idx]
+                return self._finish(req, "stop", s)
+        if token in params.stop_token_ids:
+            return self._finish(req, "stop", token)
+        if not params.ignore_eos and token in req.eos_token_ids:
+            return self._finish(req, "stop", None)
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return self._finish(req, "length", None)
+
+    def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
+        req.stop_reason = stop_reason
+        self.scheduler.finish(req, reason)
+
+    def _output(self, req: Request) -> RequestOutput:
+        stream = self._streams[req.request_id]
+        text = stream.detok.text
+        # While running, hold back what could be the start of a stop string.
+        visible = len(text) if req.finished else max(stream.emitted_text, len(text) - max((len(s) - 1 for s in req.sampling.stop), default=0))
+        delta_text, stream.emitted_text = text[stream.emitted_text : visible], visible
+        out_ids = req.output_token_ids
+        delta_ids, stream.emitted_tokens = out_ids[stream.emitted_tokens :], len(out_ids)
+        logprobs = None
+        if req.sampling.logprobs is not None:
+            logprobs = [dict([*top, (tok, lp)]) for tok, (lp, top) in zip(out_ids, req.logprobs)]
+        out = RequestOutput(
+            req.request_id, stream.prompt, req.prompt_token_ids, out_ids, text[:visible], req.finish_reason, req.finished,
+            delta_ids, delta_text, req.stop_reason, req.num_cached_tokens, logprobs,
+        )
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+            self._streams.pop(req.request_id, None)
+        return out
+
+    def _detokenizer(self, skip_special_tokens: bool) -> IncrementalDetokenizer:
+        detok = self._detokenizers.get(skip_special_tokens)
+        if detok is None:
+            detok = self._detokenizers[skip_special_tokens] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
+        return detok

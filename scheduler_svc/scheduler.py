@@ -1,0 +1,217 @@
+"""Scheduler: the policy. Who runs this step, how many prompt tokens, whom to preempt and how.
+
+It asks the KV-cache mechanism for blocks and turns the answers into one model step
+(`StepInput`): new tokens per sequence, the table diffs and the copy lists. It never touches
+tensors or chooses physical blocks.
+
+Policy (as vLLM's): running requests first (decodes and unfinished prompt chunks, oldest
+first); when blocks run out the newest running request is preempted, by swapping it to the
+host pool or by dropping its blocks to recompute later (the fallback when the host pool is
+full). Swapped requests come back before any new request is admitted; new requests are
+admitted first-come-first-served with their longest cached prefix, chunked to the token
+budget of the step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvcache_svc import KVCacheManager, NoFreeBlocks, Tier
+from model_svc.step import SeqStep, StepInput
+from scheduler_svc.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    preemption_mode: str = "swap"  # "swap" | "recompute"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    request: Request
+    num_new_tokens: int
+    sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step: StepInput
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first
+        self.swapped: deque[Request] = deque()
+        self.pending_finished: list[str] = []  # sequences the model side may forget
+        self.stats = SchedulerStats()
+
+    # ----------------------------------------------------------------- queue
+    def add(self, request: Request) -> None:
+        needed = self.kv.num_blocks_for(request.num_prompt_tokens + 1)
+        if needed > self.kv.device.num_blocks:
+            raise ValueError(f"prompt of {request.num_prompt_tokens} tokens needs {needed} blocks; the device pool has {self.kv.device.num_blocks}")
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Stop a request in any state and release its blocks."""
+        if request.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        if request.request_id in self.kv.seqs:
+            self.kv.free(request.request_id)
+        if request.sent_sampling:
+            self.pending_finished.append(request.request_id)
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+
+    # ----------------------------------------------------------------- one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(StepInput())
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while True:
+                result = self.kv.append_slots(req.request_id, req.num_computed_tokens, num_new)
+                if not isinstance(result, NoFreeBlocks):
+                    break
+                victim = self.running[-1]
+                self._preempt(victim, out.step)
+                preempted = True
+                if victim is req:
+                    break
+            if isinstance(result, NoFreeBlocks):
+                break  # req itself was preempted (it was the newest)
+            out.step.copies.extend(result.copies)
+            self._schedule_seq(out, req, num_new)
+            budget -= num_new
+            i += 1
+
+        if self.swapped and not preempted:
+            budget = self._swap_in(out, budget)
+        if not self.swapped and not preempted:
+            self._admit(out, budget)
+        out.step.finished, self.pending_finished = self.pending_finished, []
+        self.stats.num_steps += 1
+        return out
+
+    def _schedule_seq(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        sample = start + num_new == req.num_tokens
+        seq = SeqStep(req.request_id, req.token_ids[start : start + num_new], start, sample)
+        table = self.kv.block_table(req.request_id)
+        sent = req.sent_table
+        if len(table) != len(sent) or table[: len(sent)] != sent:
+            first = next((k for k, (a, b) in enumerate(zip(table, sent)) if a != b), min(len(table), len(sent)))
+            seq.table_start, seq.table_blocks = first, table[first:]
+            req.sent_table = list(table)
+        if not req.sent_sampling:
+            seq.sampling, seq.prompt_token_ids = req.sampling, req.prompt_token_ids
+            req.sent_sampling = True
+        out.step.seqs.append(seq)
+        out.scheduled.append(ScheduledSeq(req, num_new, sample))
+
+    def _preempt(self, req: Request, step: StepInput) -> None:
+        self.running.remove(req)
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        if self.config.preemption_mode == "swap":
+            copies = self.kv.swap_out(req.request_id)
+            if not isinstance(copies, NoFreeBlocks):
+                step.swap_out.extend(copies)
+                self.stats.num_swapped_out_blocks += len(copies)
+                req.status = RequestStatus.SWAPPED
+                self.swapped.append(req)
+                return
+        # Recompute: drop the blocks; the prompt and what was generated are fed again.
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.sent_table = []
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            num_blocks = len(self.kv.block_table(req.request_id))
+            # Room for the blocks and for the next token's block, so the decode can run now.
+            if num_blocks + 1 > self.kv.num_free_blocks(Tier.DEVICE):
+                break
+            copies = self.kv.swap_in(req.request_id)
+            assert not isinstance(copies, NoFreeBlocks)
+            self.swapped.popleft()
+            out.step.swap_in.extend(copies)
+            self.stats.num_swapped_in_blocks += len(copies)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            result = self.kv.append_slots(req.request_id, req.num_computed_tokens, num_new)
+            assert not isinstance(result, NoFreeBlocks)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._schedule_seq(out, req, num_new)
+            budget -= num_new
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if not self.config.enable_chunked_prefill and req.num_tokens > budget:
+                break
+            result = self.kv.allocate(req.request_id, req.token_ids, budget, req.cache_salt)
+            if isinstance(result, NoFreeBlocks):
+                break  # first come, first served: later requests wait too
+            self.waiting.popleft()
+            req.num_computed_tokens = result.num_cached_tokens
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = result.num_cached_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._schedule_seq(out, req, result.num_new_tokens)
+            budget -= result.num_new_tokens
+
+    # ----------------------------------------------------------------- results
+    def update(self, out: SchedulerOutput) -> None:
+        """Advance computed counts and register newly full blocks in the prefix cache."""
+        for s in out.scheduled:
+            req = s.request
+            if req.finished:
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
