@@ -22,6 +22,36 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with int() of a 1-element
+    array, which NumPy >= 2.4 refuses; every loop with run-time bounds then fails. Upstream
+    fixed it (triton-lang/triton#9171) by taking the element first; do the same here until
+    the installed Triton has the fix. Touches the interpreter only, never compiled kernels."""
+    import numpy as np
+
+    try:
+        int(np.zeros(1, dtype=np.int32))
+        return  # this NumPy still converts; nothing to fix
+    except TypeError:
+        pass
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_picovllm_fixed", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor._picovllm_fixed = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if interpreting():
+    _fix_interpreter_scalar_index()
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

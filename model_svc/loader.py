@@ -114,8 +114,14 @@ def load_tokenizer(path: str | Path) -> Any:
     """The directory's tokenizer via transformers.AutoTokenizer, local files only."""
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model directory not found: {str(path)!r}")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    # A directory that names the generic fast class means "use tokenizer.json as it is";
+    # AutoTokenizer in transformers 5 would swap in a model-type class for some families.
+    tok_config = Path(path) / "tokenizer_config.json"
+    if tok_config.is_file() and (Path(path) / "tokenizer.json").is_file():
+        if json.loads(tok_config.read_text()).get("tokenizer_class") == "PreTrainedTokenizerFast":
+            return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 

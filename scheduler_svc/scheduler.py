@@ -206,6 +206,24 @@ class Scheduler:
             self._schedule_seq(out, req, result.num_new_tokens)
             budget -= result.num_new_tokens
 
+    def recompute_all(self) -> list[Request]:
+        """The model side lost its KV tensors and per-sequence state (a restart): drop every
+        unfinished request's blocks and feed it again from the start (prompt + generated
+        tokens), oldest first. Returns the requests affected."""
+        affected = sorted(self.running + list(self.swapped), key=lambda r: r.arrival_time)
+        for req in affected:
+            if req.request_id in self.kv.seqs:
+                self.kv.free(req.request_id)
+            req.num_computed_tokens, req.sent_table, req.status = 0, [], RequestStatus.WAITING
+        for req in list(self.waiting):
+            req.sent_table = []
+        for req in affected + list(self.waiting):
+            req.sent_sampling = False
+        self.running, self.swapped = [], deque()
+        self.waiting.extendleft(reversed(affected))
+        self.pending_finished = []
+        return affected
+
     # ----------------------------------------------------------------- results
     def update(self, out: SchedulerOutput) -> None:
         """Advance computed counts and register newly full blocks in the prefix cache."""
