@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import cdiv, dot_precision, load_rows, mma, next_pow2, num_sms, upcast_dot
+from kernels.triton_common import cdiv, dot_precision, interpreting, load_rows, mma, next_pow2, num_sms, upcast_dot
 
 LOG2E = 1.4426950408889634
 
@@ -36,11 +36,15 @@ class DecodeConfig:
 
 
 def default_decode_config(dtype: torch.dtype, head_dim: int) -> DecodeConfig:
-    """Tiles of about 16 KB of K (and of V) per step, three steps in flight."""
+    """16-bit: 64-token tiles (32 for head_dim > 128), num_stages=5. The pipeliner spends one
+    stage on the block-table load that the K/V addresses depend on, so 5 stages give two K/V
+    buffers in flight (3 would give one). fp32 (the bundled model, CPU-sized): 16-token tiles,
+    which keep its fp32 products free of register spills. The interpreter uses 16-token tiles
+    so that small test shapes span several tiles and pages."""
+    if interpreting() or dtype == torch.float32:
+        return DecodeConfig(block_n=16, num_warps=4, num_stages=3)
     block_d = max(16, next_pow2(head_dim))
-    tile_bytes = 16 * 1024
-    block_n = max(16, min(64, tile_bytes // (block_d * torch.empty((), dtype=dtype).element_size())))
-    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3)
+    return DecodeConfig(block_n=64 if block_d <= 128 else 32, num_warps=4, num_stages=5)
 
 
 def pick_num_splits(
@@ -188,13 +192,15 @@ def decode_with_config(
     scale: float,
     config: DecodeConfig | None = None,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,  # (B, Hq, D), contiguous; allocated when None
 ) -> torch.Tensor:  # (B, Hq, D), dtype of q
-    """paged_decode_attention with an explicit tile config and split count (for tests and
-    benchmarks); None picks the defaults."""
+    """paged_decode_attention with an explicit tile config, split count and output buffer (for
+    tests and benchmarks); None picks the defaults."""
     batch, num_q_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()

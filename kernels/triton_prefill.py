@@ -41,13 +41,15 @@ class PrefillConfig:
 
 
 def default_prefill_config(dtype: torch.dtype, head_dim: int) -> PrefillConfig:
-    """Hopper-sized tiles for 16-bit inputs; smaller ones for fp32 (shared memory) and for the
-    interpreter (so that the small test shapes still span several tiles)."""
+    """16-bit, head_dim <= 128: 128 x 64 tiles, 8 warps (two Hopper warpgroups), 3 stages.
+    Larger heads and fp32 (whose exact products run on FMA units and need many registers)
+    use smaller tiles, chosen so that the compiled kernels do not spill. The interpreter uses
+    16 x 16 tiles so that small test shapes still span several tiles."""
     if interpreting():
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     block_d = max(16, next_pow2(head_dim))
     if dtype == torch.float32:
-        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+        return PrefillConfig(block_m=32, block_n=16, num_warps=4 if block_d <= 64 else 8, num_stages=2)
     if block_d > 128:
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
@@ -164,13 +166,16 @@ def prefill_with_config(
     seq_lens: torch.Tensor,  # (B,) int32
     scale: float,
     config: PrefillConfig | None = None,
+    out: torch.Tensor | None = None,  # (Nq, Hq, D), contiguous; allocated when None
 ) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
-    """paged_prefill_attention with an explicit tile config (for tests and benchmarks)."""
+    """paged_prefill_attention with an explicit tile config and output buffer (for tests and
+    benchmarks); None picks the defaults."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
     num_seqs = seq_lens.shape[0]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()

@@ -39,7 +39,12 @@ def _store_kvcache_kernel(
         tl.store(v_dst + offs_h[:, None] * stride_vch + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+def _as_cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows with unit stride, in the cache dtype. A dtype mismatch is rare (the model writes in
+    the cache dtype); casting here on the host keeps torch's rounding, which the interpreter's
+    own float-to-bf16 conversion does not reproduce."""
+    if x.dtype != dtype:
+        x = x.to(dtype)
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -55,7 +60,7 @@ def store_kvcache(
     if num_tokens == 0:
         return
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
-    key, value = _rows_contiguous(key), _rows_contiguous(value)
+    key, value = _as_cache_rows(key, k_cache.dtype), _as_cache_rows(value, v_cache.dtype)
     _store_kvcache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -34,7 +34,7 @@ class RopeScaling:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     family: str  # "llama" | "mistral" | "qwen2" | "qwen3"
-    architecture: str  # e.g. "LlamaForCausalLM" ("" when the config names none)
+    architecture: str  # e.g. "LlamaForCausalLM" (the family's usual one when the config names none)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -115,7 +115,7 @@ class ModelConfig:
         architectures = get("architectures", []) or []
         return cls(
             family=family,
-            architecture=str(architectures[0]) if architectures else "",
+            architecture=str(architectures[0]) if architectures else _DEFAULT_ARCHITECTURES[family],
             vocab_size=int(get("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(get("intermediate_size")),
@@ -147,7 +147,7 @@ class ModelConfig:
         dtype = str(self.torch_dtype).removeprefix("torch.")
         eos: Any = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else (self.eos_token_ids or [None])[0]
         out: dict[str, Any] = {
-            "architectures": [self.architecture or _DEFAULT_ARCHITECTURES[self.family]],
+            "architectures": [self.architecture],
             "model_type": self.family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,

@@ -50,6 +50,7 @@ class ModelRunner:
         cpu_kv_cache_bytes: int = 256 << 20,
         max_num_batched_tokens: int = 8192,
         model: torch.nn.Module | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(dtype, str):
@@ -61,6 +62,7 @@ class ModelRunner:
         self.model = model
         self.config = model.config
         self.block_size = block_size
+        self.enforce_eager = enforce_eager
         if num_device_blocks is None:
             num_device_blocks = self._profile_num_blocks(device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens)
         if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
@@ -201,10 +203,13 @@ class ModelRunner:
         )
         result = self.sampler(logits, batch)
         token_ids = result.token_ids.tolist()
-        out = StepOutput()
-        for i, s in enumerate(seqs):
-            sampled = SampledToken(s.seq_id, token_ids[i])
-            if result.logprobs is not None and result.logprobs[i] is not None:
-                sampled.logprob, sampled.top_logprobs = result.logprobs[i]
-            out.sampled.append(sampled)
+        out = StepOutput([SampledToken(s.seq_id, t) for s, t in zip(seqs, token_ids)])
+        if result.logprobs is not None:
+            logprobs = result.logprobs.tolist()
+            top_ids, top_lps = result.top_token_ids.tolist(), result.top_logprobs.tolist()
+            for i, st in enumerate(states):
+                n = st.sampling.logprobs
+                if n is not None:
+                    out.sampled[i].logprob = logprobs[i]
+                    out.sampled[i].top_logprobs = list(zip(top_ids[i][:n], top_lps[i][:n]))
         return out

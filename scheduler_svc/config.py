@@ -26,6 +26,7 @@ class EngineConfig:
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     kernel_backend: str | None = None  # None: triton on cuda, torch otherwise
     enforce_eager: bool = False  # True: no CUDA graphs
+    skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks)
 
     def __post_init__(self) -> None:
         bs = self.block_size

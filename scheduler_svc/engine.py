@@ -60,10 +60,11 @@ class LLMEngine:
                 kernel_backend=config.kernel_backend,
                 device_memory_fraction=config.gpu_memory_utilization,
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                enforce_eager=config.enforce_eager,
             )
         self.model = model
         self.model_config = model_config if model_config is not None else model.config
-        if tokenizer is None:
+        if tokenizer is None and not config.skip_tokenizer_init:
             from model_svc.loader import load_tokenizer
 
             tokenizer = load_tokenizer(config.model)
@@ -84,6 +85,8 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompt token ids")
             if not prompt:
                 raise ValueError("prompt must not be empty")
             return list(self.tokenizer.encode(prompt))
@@ -158,7 +161,7 @@ class LLMEngine:
     def _check_stop(self, req: Request) -> None:
         params, stream = req.sampling, self._streams[req.request_id]
         token = req.token_ids[-1]
-        delta = self._detokenizer(params.skip_special_tokens).step(stream.detok, req.token_ids)
+        delta = self._detokenizer(params.skip_special_tokens).step(stream.detok, req.token_ids) if self.tokenizer is not None else ""
         if params.stop and delta:
             text = stream.detok.text
             longest = max(len(s) for s in params.stop)

@@ -56,6 +56,13 @@ class LLM:
         )
         self.engine = LLMEngine(self.config)
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an engine built by hand (a prebuilt model runner, a remote model client)."""
+        llm = cls.__new__(cls)
+        llm.config, llm.engine = engine.config, engine
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

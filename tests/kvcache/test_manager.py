@@ -85,6 +85,23 @@ def test_allocate_with_prefix_hit():
     mgr.check_invariants()
 
 
+def test_chain_continues_after_prefix_hit():
+    """A sequence that starts from a hit registers its later blocks under the full chain."""
+    mgr = make()
+    base = list(range(9))
+    a = run_prompt(mgr, "a", base)
+    longer = base[:8] + list(range(50, 59))
+    b = run_prompt(mgr, "b", longer)
+    assert b.num_cached_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
+    hit = mgr.match_prefix(longer + [0])
+    assert hit.block_ids == b.block_ids[:4]
+    chain = None
+    for i in range(4):
+        chain = hash_block(chain, tuple(longer[i * BS : (i + 1) * BS]), None)
+        assert mgr.device.blocks[b.block_ids[i]].block_hash == chain
+    mgr.check_invariants()
+
+
 def test_prefix_hit_longer_prompt_and_mismatch():
     mgr = make()
     prompt = list(range(12))

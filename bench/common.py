@@ -1,0 +1,110 @@
+"""Shared pieces of the benchmarks: the machine's ceilings, model configs, result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# Qwen3-0.6B's architecture (BENCHMARKS.md section 3), random bf16 weights.
+QWEN3_0_6B = dict(
+    model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True, attention_bias=False,
+    bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16",
+)
+# A small config with the same shape of work, for trying a benchmark on the CPU.
+TINY = dict(QWEN3_0_6B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, torch_dtype="float32")
+CONFIGS = {"qwen3-0.6b": QWEN3_0_6B, "tiny": TINY}
+
+
+def model_dir_for(name_or_path: str) -> tuple[str, bool]:
+    """A directory holding config.json: a local HF model, or a temp dir for a named config.
+    Returns (path, random_weights)."""
+    if name_or_path in CONFIGS:
+        path = Path(tempfile.mkdtemp(prefix=f"picovllm-{name_or_path}-"))
+        (path / "config.json").write_text(json.dumps(CONFIGS[name_or_path]))
+        return str(path), True
+    return name_or_path, False
+
+
+def build_runner(model: str, device: str, dtype: str | None, **runner_kwargs):
+    """A ModelRunner for a named config (random weights) or a local directory."""
+    from model_svc.config import ModelConfig
+    from model_svc.loader import build_random_model
+    from model_svc.runner import ModelRunner, default_dtype
+    from kernels import select_ops
+
+    path, random_weights = model_dir_for(model)
+    dev = torch.device(device)
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: default_dtype(dev)}[dtype]
+    prebuilt = None
+    if random_weights:
+        config = ModelConfig.from_pretrained(path)
+        prebuilt = build_random_model(config, torch_dtype, dev, ops=select_ops(dev, runner_kwargs.get("kernel_backend")))
+    runner = ModelRunner(path, device=dev, dtype=torch_dtype, model=prebuilt, **runner_kwargs)
+    return path, runner
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), median of repeats."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    times.sort()
+    return nbytes / times[len(times) // 2]
+
+
+def matmul_flops(device: torch.device, n: int = 8192) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 10 * 2 * n**3 / (time.perf_counter() - t)
+
+
+def environment() -> dict:
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "command": " ".join(["python"] + sys.argv),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "-"
+    info["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})"
+    return info
+
+
+def write_result(path: str, title: str, env: dict, body: str) -> None:
+    header = [f"# {title}", "", *(f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()), ""]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(header) + body.rstrip() + "\n")

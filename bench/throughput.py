@@ -1,0 +1,124 @@
+"""End-to-end offline throughput on the nano-vllm benchmark workload (BENCHMARKS.md section 3).
+
+    python bench/throughput.py                       # Qwen3-0.6B architecture, random bf16 weights, on the GPU
+    python bench/throughput.py --model tiny --device cpu --num-seqs 16 --max-len 128   # a quick try on the CPU
+    python bench/throughput.py --model path/to/hf-dir
+
+Prints output tokens, seconds, tok/s, the bandwidth roofline computed for this very workload
+from the measured copy bandwidth (each decode step reads the weights once plus all live K/V;
+prefill at the measured matmul rate), and the fraction of it reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import build_runner, copy_bandwidth, environment, matmul_flops, write_result  # noqa: E402
+
+
+def make_workload(num_seqs: int, max_input_len: int, max_output_len: int, seed: int = 0):
+    """Exactly nano-vllm's bench.py: random token ids in [0, 10000]."""
+    from scheduler_svc import SamplingParams
+
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output_len)) for _ in range(num_seqs)]
+    return prompts, params
+
+
+def roofline_tok_s(config, prompt_lens: list[int], output_lens: list[int], bandwidth: float, flops: float, dtype_bytes: int = 2) -> float:
+    """Best possible tok/s for this workload: every sequence resident at once, each decode
+    step reads the weights once plus the K/V of every live sequence, prefill compute-bound."""
+    h, L = config.hidden_size, config.num_hidden_layers
+    q, kv = config.q_size, config.kv_size
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    weight_bytes = (L * per_layer + config.vocab_size * h) * dtype_bytes
+    kv_bytes_per_token = L * 2 * kv * dtype_bytes
+    prefill_flops = sum(2 * (L * per_layer + config.vocab_size * h) * n + 2 * L * q * n * n for n in prompt_lens)
+    seconds = prefill_flops / flops
+    max_out = max(output_lens)
+    # Decode step t produces token t + 1 (token 1 comes from prefill) for sequences with out > t.
+    for t in range(1, max_out):
+        live_ctx = sum(p + t for p, o in zip(prompt_lens, output_lens) if o > t)
+        if live_ctx:
+            seconds += (weight_bytes + live_ctx * kv_bytes_per_token) / bandwidth
+    return sum(output_lens) / seconds
+
+
+def run_embedded(args, prompts, params):
+    from scheduler_svc.config import EngineConfig
+    from scheduler_svc.engine import LLMEngine
+    from scheduler_svc.llm import LLM
+
+    path, runner = build_runner(
+        args.model, args.device, args.dtype, block_size=args.block_size, num_device_blocks=args.num_gpu_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+    )
+    config = EngineConfig(
+        model=path, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
+    )
+    llm = LLM.from_engine(LLMEngine(config, model=runner))
+    return llm, runner
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b", help="'qwen3-0.6b' or 'tiny' (random weights) or a local HF directory")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--mode", default="embedded", choices=["embedded", "service"])
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=1024, help="max input and output length")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-gpu-blocks", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default=None, help="write a markdown result here")
+    args = ap.parse_args()
+
+    env = environment()
+    dev = torch.device(args.device)
+    prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)
+    if args.mode != "embedded":
+        raise SystemExit("--mode service: see bench/service_overhead.py")
+    llm, runner = run_embedded(args, prompts, params)
+    from scheduler_svc import SamplingParams
+
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    num_out = sum(len(o.token_ids) for o in outs)
+    tok_s = num_out / seconds
+    bw, fl = copy_bandwidth(dev), matmul_flops(dev)
+    roof = roofline_tok_s(runner.config, [len(p) for p in prompts], [p.max_tokens for p in params], bw, fl) if dev.type == "cuda" else float("nan")
+    stats = llm.engine.scheduler.stats
+    lines = [
+        "| mode | output tokens | seconds | tok/s | roofline tok/s | fraction | steps | preemptions |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| {args.mode} | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | {stats.num_steps} | {stats.num_preemptions} |",
+        "",
+        f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s, "
+        f"device blocks {runner.num_device_blocks}, kernels {runner.ops.name}, cuda graphs {not args.enforce_eager}",
+    ]
+    print("\n".join(lines))
+    if args.out:
+        write_result(args.out, "Offline throughput (nano-vllm workload)", env, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The block operations of one engine step, as data: what the scheduler's KV client records
+and the KV-cache service replays on its authoritative KVCacheManager.
+
+Replaying the same ops in the same order on the same state gives the same results (the
+manager is deterministic), which is what lets the scheduler keep a local working copy and
+check the service's answers against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcache_svc.manager import Allocated, Appended, KVCacheManager, NoFreeBlocks
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """The pools' geometry and the model-service epoch their contents belong to."""
+
+    num_device_blocks: int
+    num_host_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    epoch: str = ""
+
+    def new_manager(self) -> KVCacheManager:
+        return KVCacheManager(self.num_device_blocks, self.num_host_blocks, self.block_size, self.enable_prefix_caching)
+
+
+@dataclass(frozen=True, slots=True)
+class ResetOp:
+    config: PoolConfig
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateOp:
+    seq_id: str
+    token_ids: list[int]
+    num_new_tokens: int
+    extra_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AppendSlotsOp:
+    seq_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheBlocksOp:
+    seq_id: str
+    token_offset: int  # position of token_ids[0]; earlier blocks are hashed already
+    token_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class FreeOp:
+    seq_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ForkOp:
+    parent_id: str
+    child_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SwapOutOp:
+    seq_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SwapInOp:
+    seq_id: str
+
+
+Op = ResetOp | AllocateOp | AppendSlotsOp | CacheBlocksOp | FreeOp | ForkOp | SwapOutOp | SwapInOp
+# allocate -> Allocated, append -> Appended, swaps -> copy list, short -> NoFreeBlocks, else None.
+OpResult = Allocated | Appended | list[tuple[int, int]] | NoFreeBlocks | None
+
+
+def seq_ids_of(op: Op) -> tuple[str, ...]:
+    """The sequences an op touches (what the metadata store must rewrite)."""
+    if isinstance(op, ForkOp):
+        return (op.parent_id, op.child_id)
+    if isinstance(op, ResetOp):
+        return ()
+    return (op.seq_id,)
+
+
+def apply_op(manager: KVCacheManager, op: Op) -> OpResult:
+    """Replay one recorded op (ResetOp is the caller's business: it replaces the manager)."""
+    if isinstance(op, AppendSlotsOp):
+        return manager.append_slots(op.seq_id, op.num_computed_tokens, op.num_new_tokens)
+    if isinstance(op, CacheBlocksOp):
+        # Only the tail is sent; the manager reads blocks from num_hashed_blocks on.
+        manager.cache_blocks(op.seq_id, [0] * op.token_offset + list(op.token_ids), op.num_computed_tokens)
+        return None
+    if isinstance(op, AllocateOp):
+        return manager.allocate(op.seq_id, list(op.token_ids), op.num_new_tokens, op.extra_key)
+    if isinstance(op, FreeOp):
+        manager.free(op.seq_id)
+        return None
+    if isinstance(op, SwapOutOp):
+        return manager.swap_out(op.seq_id)
+    if isinstance(op, SwapInOp):
+        return manager.swap_in(op.seq_id)
+    if isinstance(op, ForkOp):
+        manager.fork(op.parent_id, op.child_id)
+        return None
+    raise TypeError(f"not a replayable block op: {op!r}")

@@ -1,0 +1,349 @@
+"""Every Triton kernel against its torch reference (kernels.reference).
+
+Inputs are random (never zeros). Anything a kernel must not read holds NaN: slots past a
+sequence's end, blocks no sequence owns, and block-table entries past a sequence's last block
+(they point at a NaN block). Outputs and caches are poisoned with NaN before a kernel runs, so
+an element it fails to write, or one it writes but should not, shows. Physical blocks are
+shuffled, block tables are column slices of wider tensors, and q/key/value are strided views
+of a fused projection, as they are in the model.
+
+Without CUDA the kernels run on CPU tensors under the Triton interpreter (see conftest.py);
+tests marked gpu need CUDA and skip without it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from kernels import REFERENCE_OPS, select_ops
+from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kvcache_ref
+from kernels.triton_ops import (
+    TRITON_OPS,
+    DecodeConfig,
+    PrefillConfig,
+    decode_with_config,
+    pick_num_splits,
+    prefill_with_config,
+    store_kvcache,
+)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (block_size, head_dim, (num_q_heads, num_kv_heads)): block sizes 8/16/32, head dims 8/64,
+# GQA ratios 1, 2 and 8.
+SHAPES = [
+    (16, 8, (4, 4)),
+    (32, 64, (4, 2)),
+    (16, 64, (8, 1)),
+    (32, 8, (16, 2)),
+    (8, 64, (8, 4)),
+]
+SHAPE_IDS = [f"bs{bs}-d{d}-hq{hq}-hkv{hkv}" for bs, d, (hq, hkv) in SHAPES]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert not out.isnan().any(), "output has unwritten (NaN) elements"
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def make_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, device, gen, spare_blocks=3):
+    """K/V caches holding sequences of the given lengths in shuffled physical blocks, and
+    their (non-contiguous) block table. Everything outside the sequences is NaN."""
+    blocks_per_seq = [cdiv(n, block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    perm = torch.randperm(num_blocks, generator=gen).to(device)
+    nan_block = int(perm[-1])
+    width = max(blocks_per_seq) + 2
+    wide = torch.full((len(lens), width + 5), nan_block, dtype=torch.int32, device=device)
+    block_tables = wide[:, :width]
+    first = 0
+    for b, (seq_len, num) in enumerate(zip(lens, blocks_per_seq)):
+        ids = perm[first : first + num]
+        first += num
+        block_tables[b, :num] = ids.to(torch.int32)
+        pos = torch.arange(seq_len, device=device)
+        blocks, slots = ids[pos // block_size], pos % block_size
+        kv_shape = (seq_len, num_kv_heads, head_dim)
+        k_cache[blocks, slots] = torch.randn(kv_shape, generator=gen).to(device, dtype)
+        v_cache[blocks, slots] = torch.randn(kv_shape, generator=gen).to(device, dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return k_cache, v_cache, block_tables, seq_lens
+
+
+def make_query(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, device, gen):
+    """q as the model produces it: a strided view into a fused (q, k, v) projection."""
+    qkv = torch.randn((num_tokens, num_q_heads + 2 * num_kv_heads, head_dim), generator=gen).to(device, dtype)
+    return qkv[:, :num_q_heads]
+
+
+def nan_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# contract
+
+
+def test_signatures_match_references():
+    for name in ("store_kvcache", "paged_decode_attention", "paged_prefill_attention"):
+        ours = inspect.signature(getattr(TRITON_OPS, name)).parameters
+        ref = inspect.signature(getattr(REFERENCE_OPS, name)).parameters
+        assert list(ours) == list(ref), name
+
+
+def test_select_ops_by_name():
+    assert select_ops("cpu", "triton") is TRITON_OPS
+    assert select_ops("cpu") is REFERENCE_OPS
+
+
+@pytest.mark.parametrize(
+    "batch,kv_heads,max_len,expected",
+    [(1, 8, 32768, 66), (1, 8, 1024, 16), (8, 8, 32768, 9), (32, 8, 8192, 3), (128, 8, 1024, 1), (256, 8, 32768, 1)],
+)
+def test_pick_num_splits_fills_the_gpu(batch, kv_heads, max_len, expected):
+    num_splits = pick_num_splits(batch, kv_heads, max_len, num_sms=132, block_n=64)
+    assert num_splits == expected
+    assert batch * kv_heads * num_splits >= min(4 * 132, batch * kv_heads * cdiv(max_len, 64))
+
+
+# ---------------------------------------------------------------------------------------------
+# store_kvcache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim,heads", SHAPES[:4], ids=SHAPE_IDS[:4])
+def test_store_kvcache_matches_reference(device, dtype, block_size, head_dim, heads):
+    gen = torch.Generator().manual_seed(1)
+    _, num_kv_heads = heads
+    num_blocks, num_tokens = 7, 29
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=gen)[:5]] = -1  # skipped tokens (padding)
+    slot_mapping = slots.to(device=device, dtype=torch.int64)
+    kv = torch.randn((num_tokens, 2 * num_kv_heads + 3, head_dim), generator=gen).to(device, dtype)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads : 2 * num_kv_heads]  # strided views
+
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(key, value, k_ref, v_ref, slot_mapping)
+    TRITON_OPS.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+    written = slot_mapping[slot_mapping >= 0]
+    blocks, offsets = written // block_size, written % block_size
+    assert not k_cache[blocks, offsets].isnan().any() and not v_cache[blocks, offsets].isnan().any()
+    # Exact: a store is a copy; every other slot must still hold its NaN.
+    torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0, equal_nan=True)
+
+
+def test_store_kvcache_casts_to_cache_dtype(device):
+    gen = torch.Generator().manual_seed(2)
+    k_cache = torch.full((4, 16, 2, 64), float("nan"), dtype=torch.bfloat16, device=device)
+    v_cache = k_cache.clone()
+    key = torch.randn((9, 2, 64), generator=gen).to(device)
+    value = torch.randn((9, 2, 64), generator=gen).to(device)
+    slot_mapping = torch.tensor([63, 0, 17, -1, 5, 40, 33, 2, 48], dtype=torch.int64, device=device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(key, value, k_ref, v_ref, slot_mapping)
+    store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0, equal_nan=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# paged_decode_attention
+
+DECODE_BATCHES = {"b1": [77], "ragged": [1, 16, 33, 100, 64, 5]}
+
+
+def run_decode_case(device, dtype, lens, block_size, head_dim, heads, seed=3, **kwargs):
+    gen = torch.Generator().manual_seed(seed)
+    num_q_heads, num_kv_heads = heads
+    k_cache, v_cache, block_tables, seq_lens = make_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, device, gen)
+    q = make_query(len(lens), num_q_heads, num_kv_heads, head_dim, dtype, device, gen)
+    scale = 1.0 / math.sqrt(head_dim)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = nan_like(q.contiguous())
+    got = decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, **kwargs)
+    assert got is out
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", list(DECODE_BATCHES))
+@pytest.mark.parametrize("block_size,head_dim,heads", SHAPES, ids=SHAPE_IDS)
+def test_decode_matches_reference(device, dtype, batch, block_size, head_dim, heads):
+    run_decode_case(device, dtype, DECODE_BATCHES[batch], block_size, head_dim, heads)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
+def test_decode_any_split_count(device, num_splits):
+    """One split (direct write), a few, and more splits than tiles (empty splits)."""
+    run_decode_case(device, torch.float32, DECODE_BATCHES["ragged"], 16, 64, (8, 2), num_splits=num_splits)
+
+
+def test_decode_gpu_tile_config(device):
+    """The GPU's 64-token tiles spanning several 16-slot pages, under whichever backend runs."""
+    config = DecodeConfig(block_n=64, num_warps=4, num_stages=5)
+    run_decode_case(device, torch.bfloat16, [200, 3, 130], 16, 64, (8, 2), config=config)
+
+
+def test_decode_public_entry_point(device):
+    gen = torch.Generator().manual_seed(4)
+    k_cache, v_cache, block_tables, seq_lens = make_paged_kv([40, 9], 2, 64, 16, torch.float32, device, gen)
+    q = make_query(2, 4, 2, 64, torch.float32, device, gen)
+    out = TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    assert_matches(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, 0.125))
+
+
+# ---------------------------------------------------------------------------------------------
+# paged_prefill_attention
+
+# (new tokens per sequence, tokens already cached per sequence)
+PREFILL_BATCHES = {
+    "b1-no-cache": ([45], [0]),
+    "b1-cached-prefix": ([37], [50]),
+    # no cache, block-aligned prefix, a decode-like single token, a sequence with no new tokens,
+    # and a chunk in the middle of a long prompt (unaligned prefix)
+    "ragged": ([20, 33, 1, 0, 17], [0, 16, 40, 9, 70]),
+}
+
+
+def run_prefill_case(device, dtype, batch, block_size, head_dim, heads, seed=5, **kwargs):
+    """batch: a key of PREFILL_BATCHES, or (q_lens, cached) directly."""
+    gen = torch.Generator().manual_seed(seed)
+    num_q_heads, num_kv_heads = heads
+    q_lens, cached = PREFILL_BATCHES[batch] if isinstance(batch, str) else batch
+    lens = [c + n for c, n in zip(cached, q_lens)]
+    k_cache, v_cache, block_tables, seq_lens = make_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, device, gen)
+    cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(device, torch.int32)
+    q = make_query(sum(q_lens), num_q_heads, num_kv_heads, head_dim, dtype, device, gen)
+    scale = 1.0 / math.sqrt(head_dim)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    out = nan_like(q.contiguous())
+    got = prefill_with_config(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=out, **kwargs)
+    assert got is out
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", list(PREFILL_BATCHES))
+@pytest.mark.parametrize("block_size,head_dim,heads", SHAPES[:4], ids=SHAPE_IDS[:4])
+def test_prefill_matches_reference(device, dtype, batch, block_size, head_dim, heads):
+    run_prefill_case(device, dtype, batch, block_size, head_dim, heads)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [PrefillConfig(128, 64, 8, 3), PrefillConfig(32, 16, 4, 2), PrefillConfig(16, 32, 4, 2)],
+    ids=["128x64", "32x16", "16x32"],
+)
+def test_prefill_other_tile_configs(device, config):
+    run_prefill_case(device, torch.bfloat16, "ragged", 8, 64, (8, 2), config=config)
+
+
+def test_prefill_public_entry_point(device):
+    gen = torch.Generator().manual_seed(6)
+    k_cache, v_cache, block_tables, seq_lens = make_paged_kv([30, 12], 2, 8, 16, torch.float32, device, gen)
+    cu_seqlens_q = torch.tensor([0, 20, 32], dtype=torch.int32, device=device)
+    q = make_query(32, 4, 2, 8, torch.float32, device, gen)
+    out = TRITON_OPS.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 0.3)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 0.3)
+    assert_matches(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU only: production shapes (Hq=32, Hkv=8, D=128), odd head dims, other block sizes, graphs
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "block_size,head_dim,heads", [(16, 128, (32, 8)), (64, 128, (32, 8)), (8, 256, (16, 2)), (128, 80, (8, 8))]
+)
+def test_gpu_decode_production_shapes(dtype, block_size, head_dim, heads):
+    run_decode_case(torch.device("cuda"), dtype, [1, 100, 1000, 4097, 2900], block_size, head_dim, heads)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "block_size,head_dim,heads", [(16, 128, (32, 8)), (64, 128, (32, 8)), (8, 256, (16, 2)), (128, 80, (8, 8))]
+)
+def test_gpu_prefill_production_shapes(dtype, block_size, head_dim, heads):
+    batch = ([700, 1, 300, 129], [1000, 50, 0, 3])
+    run_prefill_case(torch.device("cuda"), dtype, batch, block_size, head_dim, heads)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_bundled_model_shapes_fp32():
+    """stories260k: fp32, 8 query heads, 4 KV heads, head_dim 8."""
+    cuda = torch.device("cuda")
+    run_decode_case(cuda, torch.float32, [1, 300, 17], 16, 8, (8, 4))
+    run_prefill_case(cuda, torch.float32, "ragged", 16, 8, (8, 4))
+    run_decode_case(cuda, torch.float32, [1, 300, 17], 16, 128, (8, 4))
+    run_prefill_case(cuda, torch.float32, "ragged", 16, 128, (8, 4))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_store_kvcache_production_shape():
+    gen = torch.Generator().manual_seed(7)
+    cuda = torch.device("cuda")
+    k_cache = torch.full((300, 16, 8, 128), float("nan"), dtype=torch.bfloat16, device=cuda)
+    v_cache = k_cache.clone()
+    slots = torch.randperm(300 * 16, generator=gen)[:2000]
+    slots[::7] = -1
+    slot_mapping = slots.to(cuda)
+    qkv = torch.randn((2000, 48, 128), generator=gen).to(cuda, torch.bfloat16)
+    key, value = qkv[:, 32:40], qkv[:, 40:48]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(key, value, k_ref, v_ref, slot_mapping)
+    store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_and_prefill_capture_in_cuda_graph():
+    """No host sync inside: both attention kernels can be captured and replayed."""
+    gen = torch.Generator().manual_seed(8)
+    cuda = torch.device("cuda")
+    k_cache, v_cache, block_tables, seq_lens = make_paged_kv([900, 33, 2000], 8, 128, 16, torch.bfloat16, cuda, gen)
+    q = make_query(3, 32, 8, 128, torch.bfloat16, cuda, gen)
+    cu_seqlens_q = torch.tensor([0, 100, 101, 400], dtype=torch.int32, device=cuda)
+    qp = make_query(400, 32, 8, 128, torch.bfloat16, cuda, gen)
+    ops = TRITON_OPS
+    ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.1)  # compile first
+    ops.paged_prefill_attention(qp, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 0.1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_d = ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.1)
+        out_p = ops.paged_prefill_attention(qp, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 0.1)
+    q.copy_(torch.randn(q.shape, generator=gen).to(cuda, q.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(out_d, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, 0.1))
+    assert_matches(out_p, paged_prefill_attention_ref(qp, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 0.1))
