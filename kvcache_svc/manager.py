@@ -140,7 +140,7 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self.num_prefix_queries += len(token_ids)
             self.num_prefix_hits += hit.num_tokens
-        return Allocated(hit.num_tokens, num_new_tokens, block_ids)
+        return Allocated(hit.num_tokens, num_new_tokens, list(block_ids))
 
     def _chain_hash(self, hit: PrefixHit, token_ids: list[int], extra_key: str | None) -> int | None:
         if not hit.block_ids:

@@ -79,7 +79,7 @@ class ModelConfig:
             from transformers import AutoConfig
 
             hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        except (ValueError, KeyError, OSError):  # a transformers too old for this family
+        except (ImportError, ValueError, KeyError, OSError):  # transformers absent or too old
             pass
         extra_eos: list[int] = []
         gen_file = path / "generation_config.json"

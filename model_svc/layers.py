@@ -112,7 +112,9 @@ class MergedLinear(nn.Linear):
         param: torch.Tensor = getattr(self, param_name)
         rows = param[self.shard_slices[shard]]
         if rows.shape != tensor.shape:
-            raise ValueError(f"shard {shard!r} of {param_name}: expected shape {tuple(rows.shape)}, got {tuple(tensor.shape)}")
+            raise ValueError(
+                f"shard {shard!r} of {param_name}: expected shape {tuple(rows.shape)}, got {tuple(tensor.shape)}"
+            )
         rows.copy_(tensor)
 
 
@@ -152,7 +154,9 @@ class Attention(nn.Module):
             q, k_cache, v_cache, attn.block_tables, attn.cu_seqlens_q, attn.seq_lens, self.scale
         )
 
-    def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    def _causal_no_cache(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor
+    ) -> torch.Tensor:
         group = self.num_heads // self.num_kv_heads
         out = torch.empty_like(q)
         starts = cu_seqlens_q.tolist()

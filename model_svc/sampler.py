@@ -62,14 +62,15 @@ class SamplingBatch:
         greedy_rows = [p.temperature < _SAMPLING_EPS or p.top_k == 1 for p in params_list]
         random_params = [p for p, g in zip(params_list, greedy_rows) if not g]
 
-        def column(name: str, off: float, dtype: torch.dtype, rows: Sequence[Any] = random_params) -> torch.Tensor | None:
+        def column(name: str, off: float, rows: Sequence[Any] = random_params) -> torch.Tensor | None:
+            """(B,) fp32 of one knob, or None when every row in `rows` leaves it off."""
             if all(getattr(p, name) == off for p in rows):
                 return None
-            return torch.tensor([getattr(p, name) for p in params_list], dtype=dtype, device=device)
+            return torch.tensor([float(getattr(p, name)) for p in params_list], dtype=torch.float32, device=device)
 
-        rep = column("repetition_penalty", 1.0, torch.float32, params_list)
-        pres = column("presence_penalty", 0.0, torch.float32, params_list)
-        freq = column("frequency_penalty", 0.0, torch.float32, params_list)
+        rep = column("repetition_penalty", 1.0, params_list)
+        pres = column("presence_penalty", 0.0, params_list)
+        freq = column("frequency_penalty", 0.0, params_list)
         prompt_tokens = output_tokens = None
         if rep is not None or pres is not None or freq is not None:
             if output_token_ids_list is None or (rep is not None and prompt_token_ids_list is None):
@@ -88,8 +89,8 @@ class SamplingBatch:
             greedy=torch.tensor(greedy_rows, dtype=torch.bool, device=device),
             all_greedy=all(greedy_rows),
             top_k=top_k,
-            top_p=column("top_p", 1.0, torch.float32),
-            min_p=column("min_p", 0.0, torch.float32),
+            top_p=column("top_p", 1.0),
+            min_p=column("min_p", 0.0),
             repetition_penalty=rep,
             presence_penalty=pres,
             frequency_penalty=freq,

@@ -62,7 +62,10 @@ def test_eos_ids_merge_generation_config(tmp_path):
 @pytest.mark.parametrize(
     "scaling",
     [
-        dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256),
+        dict(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=256,
+        ),
         dict(rope_type="linear", factor=2.0),
     ],
 )
@@ -103,7 +106,8 @@ def test_sliding_window_not_implemented():
     with pytest.raises(NotImplementedError, match="sliding"):
         ModelConfig.from_hf_config(tiny_hf_config("mistral", sliding_window=256))
     with pytest.raises(NotImplementedError, match="sliding"):
-        ModelConfig.from_hf_config(tiny_hf_config("qwen2", use_sliding_window=True, sliding_window=256, max_window_layers=0))
+        qwen2 = tiny_hf_config("qwen2", use_sliding_window=True, sliding_window=256, max_window_layers=0)
+        ModelConfig.from_hf_config(qwen2)
     # A window no shorter than the context is no window at all; Qwen's flag off means off.
     ModelConfig.from_hf_config(tiny_hf_config("mistral", sliding_window=1024))
     ModelConfig.from_hf_config(tiny_hf_config("qwen2", use_sliding_window=False, sliding_window=256))

@@ -1,0 +1,249 @@
+"""The scheduler's KV-cache client in service mode.
+
+`KVClient` looks like a KVCacheManager to the scheduler (same methods, same answers): it
+keeps a local working copy, which answers at once, and records every mutating op. Once per
+engine step `commit()` sends the recorded ops in one numbered ApplyStep call; the service
+replays them on its authoritative copy, persists them and answers; the answers must equal
+the local ones (the manager is deterministic). A mismatch, or a service that lost its
+state, raises KVOutOfSync after resyncing the local copy from the service's state.
+
+Transports: `InProcessTransport` (a KVCacheService in this process) and `GrpcTransport`.
+Embedded mode uses KVCacheManager directly and records nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+from kvcache_svc import convert
+from kvcache_svc.manager import Allocated, Appended, KVCacheManager, NoFreeBlocks
+from kvcache_svc.ops import (
+    AllocateOp, AppendSlotsOp, CacheBlocksOp, ForkOp, FreeOp, Op, OpResult, PoolConfig, ResetOp, SwapInOp, SwapOutOp,
+)
+from kvcache_svc.state import KVState, import_state
+from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
+from protos.picovllm.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from scheduler_svc.errors import FailedPrecondition, Unavailable
+from scheduler_svc.rpc import CHANNEL_OPTIONS, call_with_retry
+
+logger = logging.getLogger(__name__)
+
+
+class KVUnavailable(Unavailable):
+    """The KV-cache service did not answer within the retry window."""
+
+
+class KVOutOfSync(FailedPrecondition):
+    """The service's answers differ from the local copy's (or it lost its state); the local
+    copy has been resynced, and the scheduler must recompute its running requests."""
+
+
+class KVTransport(Protocol):
+    def apply_step(self, step: int, ops: list[Op], retry_until: float, timeout: float) -> list[OpResult]: ...
+
+    def get_state(self, retry_until: float, timeout: float) -> KVState: ...
+
+
+@dataclass(slots=True)
+class _Batch:
+    step: int
+    ops: list[Op]
+    expected: list[OpResult]
+
+
+class KVClient:
+    def __init__(self, transport: KVTransport, retry_window_s: float = 1.0, rpc_timeout_s: float = 30.0) -> None:
+        self._manager: KVCacheManager | None = None
+        self.transport = transport
+        self.config: PoolConfig | None = None
+        self.retry_window_s = retry_window_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._ops: list[Op] = []
+        self._expected: list[OpResult] = []
+        self._batches: deque[_Batch] = deque()
+        self._next_step = 1
+        self._needs_resync = False
+        self.num_commits = 0
+        self.commit_seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        # Reads (seqs, block_table, num_free_blocks, device, ...) go to the local copy.
+        manager = self.__dict__.get("_manager")
+        if manager is None:
+            raise AttributeError(f"KVClient has no pools yet (reading {name!r}); call connect() first")
+        return getattr(manager, name)
+
+    @property
+    def manager(self) -> KVCacheManager:
+        assert self._manager is not None, "connect() first"
+        return self._manager
+
+    # ----------------------------------------------------------------- recorded ops
+    def _record(self, op: Op, expected: OpResult) -> None:
+        self._ops.append(op)
+        self._expected.append(expected)
+
+    def allocate(self, seq_id: str, token_ids: list[int], num_new_tokens: int, extra_key: str | None = None) -> Allocated | NoFreeBlocks:
+        result = self.manager.allocate(seq_id, token_ids, num_new_tokens, extra_key)
+        if not isinstance(result, NoFreeBlocks):  # a refusal changes nothing: nothing to send
+            # block_ids is the live table: keep a copy of what the answer must be.
+            self._record(AllocateOp(seq_id, list(token_ids), num_new_tokens, extra_key),
+                         Allocated(result.num_cached_tokens, result.num_new_tokens, list(result.block_ids)))
+        return result
+
+    def append_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> Appended | NoFreeBlocks:
+        result = self.manager.append_slots(seq_id, num_computed_tokens, num_new_tokens)
+        if not isinstance(result, NoFreeBlocks):
+            self._record(AppendSlotsOp(seq_id, num_computed_tokens, num_new_tokens), result)
+        return result
+
+    def cache_blocks(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        seq = self.manager.seqs[seq_id]
+        before = seq.num_hashed_blocks
+        self.manager.cache_blocks(seq_id, token_ids, num_computed_tokens)
+        after = seq.num_hashed_blocks
+        if after != before:  # most decode steps fill no block: nothing to send
+            bs = self.manager.block_size
+            self._record(CacheBlocksOp(seq_id, before * bs, list(token_ids[before * bs : after * bs]), num_computed_tokens), None)
+
+    def free(self, seq_id: str) -> None:
+        self.manager.free(seq_id)
+        self._record(FreeOp(seq_id), None)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        self.manager.fork(parent_id, child_id)
+        self._record(ForkOp(parent_id, child_id), None)
+
+    def swap_out(self, seq_id: str) -> list[tuple[int, int]] | NoFreeBlocks:
+        result = self.manager.swap_out(seq_id)
+        if not isinstance(result, NoFreeBlocks):
+            self._record(SwapOutOp(seq_id), result)
+        return result
+
+    def swap_in(self, seq_id: str) -> list[tuple[int, int]] | NoFreeBlocks:
+        result = self.manager.swap_in(seq_id)
+        if not isinstance(result, NoFreeBlocks):
+            self._record(SwapInOp(seq_id), result)
+        return result
+
+    def reset(self, config: PoolConfig) -> None:
+        """Empty pools of this geometry/epoch, here and (with the next commit) in the service."""
+        self._manager, self.config = config.new_manager(), config
+        self._record(ResetOp(config), None)
+
+    # ----------------------------------------------------------------- sync
+    def connect(self, config: PoolConfig) -> bool:
+        """Start from the service's state when it holds pools of exactly this geometry and
+        epoch (True: the caller frees sequences it does not know), else reset them."""
+        state = self.transport.get_state(time.monotonic() + self.retry_window_s, self.rpc_timeout_s)
+        self._drop_pending(state.step)
+        if state.config == config:
+            self._manager, self.config = import_state(state), config
+            return True
+        self.reset(config)
+        return False
+
+    def has_pending(self) -> bool:
+        return bool(self._ops or self._batches or self._needs_resync)
+
+    def commit(self, timeout: float | None = None) -> None:
+        """Send what was recorded since the last commit (and any batch a failed commit left),
+        in order. Raises KVUnavailable when the service stays down for the retry window
+        (the batches are kept and re-sent next time) and KVOutOfSync after a resync."""
+        if self._needs_resync:  # an earlier resync could not reach the service
+            self._resync()
+            raise KVOutOfSync("resynced from the service after an earlier mismatch")
+        if self._ops:
+            self._batches.append(_Batch(self._next_step, self._ops, self._expected))
+            self._next_step += 1
+            self._ops, self._expected = [], []
+        start = time.monotonic()
+        retry_until = start + self.retry_window_s
+        timeout = self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
+        try:
+            while self._batches:
+                batch = self._batches[0]
+                try:
+                    results = self.transport.apply_step(batch.step, batch.ops, retry_until, timeout)
+                except FailedPrecondition as exc:
+                    self._out_of_sync(f"the service refused step {batch.step}: {exc}")
+                if results != batch.expected:
+                    self._out_of_sync(f"step {batch.step}: the service answered {_first_diff(results, batch.expected)}")
+                self._batches.popleft()
+                self.num_commits += 1
+        finally:
+            self.commit_seconds += time.monotonic() - start
+
+    def _out_of_sync(self, why: str) -> None:
+        logger.error("KV-cache client out of sync: %s; resyncing from the service", why)
+        self._needs_resync = True
+        self._resync()  # KVUnavailable leaves _needs_resync set: the next commit resyncs
+        raise KVOutOfSync(why)
+
+    def _resync(self) -> None:
+        """Adopt the service's state when it is of our geometry and epoch, else reset."""
+        state = self.transport.get_state(time.monotonic() + self.retry_window_s, self.rpc_timeout_s)
+        self._drop_pending(state.step)
+        self._needs_resync = False
+        if self.config is not None and state.config == self.config:
+            self._manager = import_state(state)
+        elif self.config is not None:
+            self.reset(self.config)
+
+    def _drop_pending(self, service_step: int) -> None:
+        self._ops, self._expected = [], []
+        self._batches.clear()
+        self._next_step = service_step + 1
+
+
+def _first_diff(got: list[OpResult], want: list[OpResult]) -> str:
+    if len(got) != len(want):
+        return f"{len(got)} results for {len(want)} ops"
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return f"op {i}: {a!r}, expected {b!r}"
+    return "equal"
+
+
+# ----------------------------------------------------------------- transports
+class InProcessTransport:
+    """A KVCacheService in this process; ops and results go through the proto conversion
+    as they would on the wire."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+
+    def apply_step(self, step: int, ops: list[Op], retry_until: float, timeout: float) -> list[OpResult]:
+        wire_ops = [convert.op_from_pb(convert.op_to_pb(op)) for op in ops]
+        results = self.service.apply_step(step, wire_ops)
+        return [convert.result_from_pb(r) for r in convert.step_response(step, results).results]
+
+    def get_state(self, retry_until: float, timeout: float) -> KVState:
+        return convert.state_from_pb(convert.state_to_pb(self.service.get_state()))
+
+
+class GrpcTransport:
+    """The KV-cache service over gRPC (a blocking channel: the engine loop runs in a thread)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.KVCacheServiceStub(self.channel)
+
+    def apply_step(self, step: int, ops: list[Op], retry_until: float, timeout: float) -> list[OpResult]:
+        request = pb.ApplyStepRequest(step=step, ops=[convert.op_to_pb(op) for op in ops])
+        resp = call_with_retry(self.stub.ApplyStep, request, retry_until, timeout, f"kvcache {self.address} ApplyStep", KVUnavailable)
+        return [convert.result_from_pb(r) for r in resp.results]
+
+    def get_state(self, retry_until: float, timeout: float) -> KVState:
+        resp = call_with_retry(self.stub.GetState, pb.GetStateRequest(), retry_until, timeout, f"kvcache {self.address} GetState", KVUnavailable)
+        return convert.state_from_pb(resp.state)
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,76 @@
+"""The KV-cache gRPC service (picovllm.kvcache.v1): a thin servicer over KVCacheService.
+
+Start-up reloads the metadata store (Redis) before health turns SERVING. The service is
+driven by one scheduler; calls are handled one at a time on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvcache_svc import convert
+from kvcache_svc.service import KVCacheService
+from kvcache_svc.store import open_store
+from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
+from protos.picovllm.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from scheduler_svc.rpc import start_server, stop_event
+from scheduler_svc.service_config import KVCacheSection
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name
+
+
+class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
+    def __init__(self, service: KVCacheService) -> None:
+        self.service = service
+
+    async def ApplyStep(self, request: pb.ApplyStepRequest, context) -> pb.ApplyStepResponse:
+        ops = [convert.op_from_pb(op) for op in request.ops]
+        results = self.service.apply_step(request.step, ops)
+        return convert.step_response(request.step, results)
+
+    async def GetState(self, request: pb.GetStateRequest, context) -> pb.GetStateResponse:
+        return pb.GetStateResponse(state=convert.state_to_pb(self.service.get_state()))
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
+        i = self.service.info()
+        resp = pb.GetInfoResponse(
+            step=i.step, num_free_device_blocks=i.num_free_device_blocks, num_free_host_blocks=i.num_free_host_blocks,
+            num_seqs=i.num_seqs, store=i.store, num_prefix_queries=i.num_prefix_queries, num_prefix_hits=i.num_prefix_hits,
+            all_free_or_cached=i.all_free_or_cached,
+        )
+        if i.config is not None:
+            resp.config.CopyFrom(convert.config_to_pb(i.config))
+        return resp
+
+    async def CheckInvariants(self, request: pb.CheckInvariantsRequest, context) -> pb.CheckInvariantsResponse:
+        error = self.service.check_invariants()
+        return pb.CheckInvariantsResponse(ok=error is None, error=error or "")
+
+
+async def serve(config: KVCacheSection, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM/SIGINT."""
+    service = KVCacheService(open_store(config.redis_url, config.deployment))
+    running = await start_server(config.address, [(pb_grpc.add_KVCacheServiceServicer_to_server, KVCacheServicer(service), SERVICE_NAME)])
+    stop = stop_event()
+    while True:  # Redis may come up after us: keep trying, NOT_SERVING meanwhile
+        try:
+            service.load()
+            break
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("metadata store not reachable (%s); retrying", exc)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+                return await running.server.stop(None)
+            except asyncio.TimeoutError:
+                pass
+    await running.set_serving(True)
+    logger.info("kvcache service ready on %s (store: %s)", config.address, service.store.kind)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    await running.set_serving(False)
+    await running.server.stop(grace=5)
+    service.store.close()

@@ -1,0 +1,157 @@
+"""KVCacheService: the authoritative KVCacheManager behind the KV-cache gRPC service.
+
+Applies each step's recorded block ops in order, persists the step's changes to the
+metadata store, and only then answers. Steps are numbered: re-sending the last applied step
+returns its stored answer (the crash-after-commit case), a step out of order is refused
+(FailedPrecondition: the scheduler resyncs from `get_state`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvcache_svc import convert
+from kvcache_svc.manager import KVCacheManager
+from kvcache_svc.ops import Op, OpResult, PoolConfig, ResetOp, apply_op, seq_ids_of
+from kvcache_svc.state import KVState, export_state, import_state, new_manager
+from kvcache_svc.store import MemoryStore, RedisStore, clear_dirty
+from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
+from scheduler_svc.errors import FailedPrecondition, Unavailable
+
+logger = logging.getLogger(__name__)
+
+
+class StepOutOfOrder(FailedPrecondition):
+    pass
+
+
+@dataclass(slots=True)
+class KVInfo:
+    config: PoolConfig | None
+    step: int
+    num_free_device_blocks: int
+    num_free_host_blocks: int
+    num_seqs: int
+    store: str
+    num_prefix_queries: int
+    num_prefix_hits: int
+    all_free_or_cached: bool
+
+
+class KVCacheService:
+    def __init__(self, store: MemoryStore | RedisStore) -> None:
+        self.store = store
+        self.config: PoolConfig | None = None
+        self.manager: KVCacheManager | None = None
+        self.step = 0
+        self.last_results: list[OpResult] | None = None
+        self._stale = False  # a failed store write left the manager ahead of the store
+
+    # ----------------------------------------------------------------- load
+    def load(self) -> None:
+        """Reload the stored state (Redis); with none, or one that does not check out, start
+        with no pools (the scheduler's first step resets them)."""
+        loaded = self.store.load()
+        self.config, self.manager, self.last_results = None, None, None
+        if loaded is None:
+            self._stale = False
+            return
+        state, blob = loaded
+        self.step = state.step
+        if state.config is not None:
+            try:
+                self.manager = import_state(state, tracked=True)
+                self.config = state.config
+            except ValueError as exc:
+                logger.error("stored KV metadata rejected (%s); starting with no pools", exc)
+        if blob and self.manager is not None:
+            msg = pb.ApplyStepResponse.FromString(blob)
+            if msg.step == self.step:
+                self.last_results = [convert.result_from_pb(r) for r in msg.results]
+        self._stale = False
+        logger.info("KV state loaded: step %d, %s, %d sequences", self.step,
+                    self.config or "no pools", len(self.manager.seqs) if self.manager else 0)
+
+    # ----------------------------------------------------------------- steps
+    def apply_step(self, step: int, ops: list[Op]) -> list[OpResult]:
+        if self._stale:
+            self._reload_or_unavailable()
+        if step == self.step and self.last_results is not None:
+            return self.last_results  # a retry of the step we answered (or crashed answering)
+        if step != self.step + 1:
+            raise StepOutOfOrder(f"step {step} does not follow the last applied step {self.step}")
+        if self.manager is None and not (ops and isinstance(ops[0], ResetOp)):
+            raise FailedPrecondition("the KV-cache service has no pools yet: reset first")
+        full_write, dirty_seqs = False, set()
+        try:
+            results = []
+            for op in ops:
+                if isinstance(op, ResetOp):
+                    self.config, self.manager, full_write = op.config, new_manager(op.config, tracked=True), True
+                    results.append(None)
+                    continue
+                dirty_seqs.update(seq_ids_of(op))
+                results.append(apply_op(self.manager, op))
+        except Exception as exc:  # noqa: BLE001 - out of step with the scheduler
+            self._drop_state(f"step {step} does not apply: {exc!r}")
+            raise FailedPrecondition(f"step {step} does not apply to the KV state ({exc!r}); resync") from None
+        self._persist(step, results, full_write, dirty_seqs)
+        self.step, self.last_results = step, results
+        return results
+
+    def _persist(self, step: int, results: list[OpResult], full_write: bool, dirty_seqs: set[str]) -> None:
+        blob = convert.step_response(step, results).SerializeToString()
+        try:
+            if full_write:
+                self.store.write_full(export_state(self.manager, self.config, step), blob)
+            else:
+                self.store.write_step(self.manager, step, dirty_seqs, blob)
+        except Exception as exc:  # redis down or slow: do not answer what is not durable
+            self._stale = True
+            raise Unavailable(f"metadata store write failed: {exc}") from None
+        finally:
+            if self.manager is not None:
+                clear_dirty(self.manager)
+
+    def _reload_or_unavailable(self) -> None:
+        try:
+            self.load()
+        except Exception as exc:
+            raise Unavailable(f"metadata store unavailable: {exc}") from None
+
+    def _drop_state(self, why: str) -> None:
+        """A step that does not apply leaves the manager half changed: go back to what the
+        store holds (Redis), or to no pools (memory), and let the scheduler resync."""
+        logger.error("%s", why)
+        if isinstance(self.store, RedisStore):
+            self._stale = True
+            try:
+                self.load()
+                return
+            except Exception:  # noqa: BLE001 - retried on the next call
+                pass
+        self.config, self.manager, self.last_results = None, None, None
+
+    # ----------------------------------------------------------------- queries
+    def get_state(self) -> KVState:
+        if self._stale:
+            self._reload_or_unavailable()
+        return export_state(self.manager, self.config, self.step)
+
+    def info(self) -> KVInfo:
+        m = self.manager
+        if m is None:
+            return KVInfo(self.config, self.step, 0, 0, 0, self.store.kind, 0, 0, True)
+        return KVInfo(self.config, self.step, m.device.num_free_blocks, m.host.num_free_blocks, len(m.seqs), self.store.kind,
+                      m.num_prefix_queries, m.num_prefix_hits, m.all_free_or_cached())
+
+    def check_invariants(self) -> str | None:
+        """None when the invariant holds, else the first violation."""
+        if self.manager is None:
+            return None
+        try:
+            self.manager.check_invariants()
+        except AssertionError as exc:
+            return str(exc) or "invariant violated"
+        return None

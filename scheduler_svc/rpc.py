@@ -1,0 +1,113 @@
+"""What the three gRPC servers share: an aio server with the error interceptor, grpc.health.v1
+health (NOT_SERVING until the service says it is ready), server reflection, stop signals,
+and the channel options of the internal clients."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from scheduler_svc.errors import ErrorInterceptor, error_from_rpc
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 << 20
+SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+# Internal clients notice a restarted peer within about a second (gRPC's default reconnect
+# backoff grows to two minutes).
+CHANNEL_OPTIONS = SERVER_OPTIONS + [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+@dataclass(slots=True)
+class RunningServer:
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+    port: int
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("",) + self.service_names:
+            await self.health.set(name, status)
+
+
+async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]]) -> RunningServer:
+    """Bind `address` and start; `services` are (add_XServicer_to_server, servicer, full service
+    name). Health answers NOT_SERVING until `set_serving(True)`."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    for add, servicer, _ in services:
+        add(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(name for _, _, name in services)
+    reflection.enable_server_reflection(names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    running = RunningServer(server, health_servicer, names, port)
+    await running.set_serving(False)
+    logger.info("listening on %s (%s)", address, ", ".join(names))
+    return running
+
+
+def stop_event() -> asyncio.Event:
+    """An event set on SIGTERM or SIGINT (in the running loop)."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, event.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    return event
+
+
+def check_health(address: str, service: str = "", timeout: float = 1.0) -> bool:
+    """True when the server at `address` answers SERVING for `service`."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# ----------------------------------------------------------------- internal clients
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def call_with_retry(method: Callable[..., Any], request: Any, retry_until: float, timeout: float, what: str,
+                    unavailable: type[Exception]) -> Any:
+    """Call a unary method; while the peer is down (UNAVAILABLE, or no answer in time) retry
+    with backoff until `retry_until` (monotonic), then raise `unavailable`. Other statuses
+    become the domain error they stand for."""
+    delay, attempt = 0.02, 0
+    while True:
+        now = time.monotonic()
+        # The first attempt gets the full timeout; retries wait for the channel to be ready
+        # but never past the retry window.
+        t = timeout if attempt == 0 else max(0.05, min(timeout, retry_until - now))
+        try:
+            return method(request, timeout=t, wait_for_ready=attempt > 0)
+        except grpc.RpcError as err:
+            if err.code() not in RETRYABLE:
+                raise (error_from_rpc(err) or RuntimeError(f"{what}: {err.code().name}: {err.details()}")) from None
+            if time.monotonic() + delay >= retry_until:
+                raise unavailable(f"{what}: {err.code().name}: {err.details()}") from None
+        time.sleep(delay)
+        delay = min(delay * 2, 0.25)
+        attempt += 1

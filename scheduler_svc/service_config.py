@@ -1,0 +1,185 @@
+"""Service-mode configuration: one YAML file with a section per service, frozen once loaded.
+
+Precedence, lowest first: the defaults here, the YAML file, environment variables, flags.
+
+    scheduler:  {address: "0.0.0.0:50051", metrics_port: 9400, max_waiting: 1024, ...}
+    kvcache:    {address: "127.0.0.1:50052", redis_url: null, deployment: default}
+    model:      {address: "127.0.0.1:50053", model: <bundled stories260k>, block_size: 16, ...}
+
+Environment: PICOVLLM_CONFIG (the YAML path), PICOVLLM_SCHEDULER_ADDR, PICOVLLM_KVCACHE_ADDR,
+PICOVLLM_MODEL_ADDR, PICOVLLM_REDIS_URL, PICOVLLM_DEPLOYMENT, PICOVLLM_METRICS_PORT,
+PICOVLLM_MODEL. Internal services (kvcache, model) listen on loopback unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scheduler_svc.config import BUNDLED_MODEL
+
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "PICOVLLM_SCHEDULER_ADDR": ("scheduler", "address"),
+    "PICOVLLM_METRICS_PORT": ("scheduler", "metrics_port"),
+    "PICOVLLM_KVCACHE_ADDR": ("kvcache", "address"),
+    "PICOVLLM_REDIS_URL": ("kvcache", "redis_url"),
+    "PICOVLLM_DEPLOYMENT": ("kvcache", "deployment"),
+    "PICOVLLM_MODEL_ADDR": ("model", "address"),
+    "PICOVLLM_MODEL": ("model", "model"),
+}
+
+
+def _check_address(name: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name} must be host:port, got {value!r}")
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSection:
+    address: str = "0.0.0.0:50051"
+    metrics_port: int | None = 9400  # Prometheus /metrics on the scheduler's host; None = off
+    tokenizer: str | None = None  # None: the model section's directory
+    max_waiting: int = 1024  # queued requests beyond this get RESOURCE_EXHAUSTED
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    preemption_mode: str = "swap"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    rpc_timeout_s: float = 30.0  # one internal call, when no client deadline is shorter
+    retry_window_s: float = 1.0  # how long one engine step retries a peer that is down
+    startup_timeout_s: float = 600.0  # waiting for the peers at start
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may still run
+
+    def __post_init__(self) -> None:
+        _check_address("scheduler.address", self.address)
+        _positive("scheduler", self, "max_waiting", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                  "rpc_timeout_s", "retry_window_s", "startup_timeout_s")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"scheduler.metrics_port must be a port number, got {self.metrics_port!r}")
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"scheduler.preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"scheduler.drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSection:
+    address: str = "127.0.0.1:50052"
+    redis_url: str | None = None  # None: metadata in memory
+    deployment: str = "default"  # namespaces the Redis keys
+
+    def __post_init__(self) -> None:
+        _check_address("kvcache.address", self.address)
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kvcache.redis_url must be a redis:// URL, got {self.redis_url!r}")
+        if not self.deployment or ":" in self.deployment:
+            raise ValueError(f"kvcache.deployment must be a non-empty name without ':', got {self.deployment!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSection:
+    address: str = "127.0.0.1:50053"
+    model: str = BUNDLED_MODEL
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None: measured
+    num_cpu_blocks: int | None = None  # None: from swap_space_gib
+    swap_space_gib: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    device: str | None = None
+    dtype: str | None = None
+    kernel_backend: str | None = None
+    max_num_batched_tokens: int = 8192
+    torch_threads: int | None = None  # CPU threads for torch; None: torch's default
+
+    def __post_init__(self) -> None:
+        _check_address("model.address", self.address)
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+            raise ValueError(f"model.block_size must be a power of two, got {bs!r}")
+        _positive("model", self, "num_gpu_blocks", "max_num_batched_tokens", "torch_threads")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise ValueError(f"model.num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"model.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    kvcache: KVCacheSection = field(default_factory=KVCacheSection)
+    model: ModelSection = field(default_factory=ModelSection)
+
+    @property
+    def tokenizer(self) -> str:
+        return self.scheduler.tokenizer or self.model.model
+
+
+_SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(ServiceConfig)}  # type: ignore[misc]
+
+
+def _coerce(section: str, name: str, raw: Any, annotation: str) -> Any:
+    """Env values arrive as strings; YAML values as typed scalars."""
+    if not isinstance(raw, str) or annotation.startswith("str"):
+        return raw
+    if raw.lower() in ("", "none", "null"):
+        return None
+    try:
+        if annotation.startswith("int"):
+            return int(raw)
+        if annotation.startswith("float"):
+            return float(raw)
+        if annotation.startswith("bool"):
+            return raw.lower() in ("1", "true", "yes", "on")
+    except ValueError:
+        raise ValueError(f"{section}.{name} must be {annotation}, got {raw!r}") from None
+    return raw
+
+
+def _merge(values: dict[str, dict[str, Any]], section: str, updates: Mapping[str, Any], source: str) -> None:
+    if section not in _SECTIONS:
+        raise ValueError(f"{source}: unknown section {section!r} (expected one of {sorted(_SECTIONS)})")
+    fields = {f.name: str(f.type) for f in dataclasses.fields(_SECTIONS[section])}
+    for name, raw in updates.items():
+        if name not in fields:
+            raise ValueError(f"{source}: unknown key {section}.{name} (known: {', '.join(sorted(fields))})")
+        values[section][name] = _coerce(section, name, raw, fields[name])
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Mapping[str, Mapping[str, Any]] | None = None,
+                env: Mapping[str, str] | None = None) -> ServiceConfig:
+    """Defaults < YAML (`path`, else $PICOVLLM_CONFIG) < environment < `overrides` (flags;
+    None values are ignored). Raises ValueError naming the bad key or value."""
+    env = os.environ if env is None else env
+    values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    path = path or env.get("PICOVLLM_CONFIG") or None
+    if path is not None:
+        import yaml
+
+        text = Path(path).read_text()
+        doc = yaml.safe_load(text) or {}
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: expected a mapping of sections, got {type(doc).__name__}")
+        for section, body in doc.items():
+            if not isinstance(body, dict):
+                raise ValueError(f"{path}: section {section!r} must be a mapping")
+            _merge(values, section, body, str(path))
+    for var, (section, name) in ENV_VARS.items():
+        if var in env:
+            _merge(values, section, {name: env[var]}, f"${var}")
+    for section, body in (overrides or {}).items():
+        _merge(values, section, {k: v for k, v in body.items() if v is not None}, "flags")
+    sections = {name: factory(**values[name]) for name, factory in _SECTIONS.items()}
+    return ServiceConfig(**sections)
