@@ -20,7 +20,7 @@ QWEN3_0_6B = dict(
     bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16",
 )
 # A small config with the same shape of work, for trying a benchmark on the CPU.
-TINY = dict(QWEN3_0_6B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+TINY = dict(QWEN3_0_6B, vocab_size=10240, bos_token_id=1, eos_token_id=2, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, torch_dtype="float32")
 CONFIGS = {"qwen3-0.6b": QWEN3_0_6B, "tiny": TINY}
 

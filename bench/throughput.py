@@ -60,7 +60,7 @@ def run_embedded(args, prompts, params):
 
     path, runner = build_runner(
         args.model, args.device, args.dtype, block_size=args.block_size, num_device_blocks=args.num_gpu_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
     )
     config = EngineConfig(
         model=path, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -83,12 +83,19 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--check", action="store_true", help="first check greedy parity of the optimized path vs the plain one")
     ap.add_argument("--out", default=None, help="write a markdown result here")
     args = ap.parse_args()
 
     env = environment()
     dev = torch.device(args.device)
     prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)
+    parity = []
+    if args.check:
+        from bench.parity import check_parity
+
+        parity = check_parity(args.model, args.device, args.dtype, near_tie=1e-2)
+        print("\n".join(parity))
     if args.mode != "embedded":
         raise SystemExit("--mode service: see bench/service_overhead.py")
     llm, runner = run_embedded(args, prompts, params)
@@ -115,6 +122,8 @@ def main() -> None:
         f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s, "
         f"device blocks {runner.num_device_blocks}, kernels {runner.ops.name}, cuda graphs {not args.enforce_eager}",
     ]
+    if parity:
+        lines += ["", "Greedy parity, optimized vs plain path (first 32 tokens, 8 prompts):", *(f"- {r}" for r in parity)]
     print("\n".join(lines))
     if args.out:
         write_result(args.out, "Offline throughput (nano-vllm workload)", env, "\n".join(lines))

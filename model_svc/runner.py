@@ -51,6 +51,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 8192,
         model: torch.nn.Module | None = None,
         enforce_eager: bool = False,
+        max_num_seqs: int = 256,
     ) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(dtype, str):
@@ -69,6 +70,12 @@ class ModelRunner:
             num_host_blocks = num_host_blocks(num_device_blocks, KVCachePools.bytes_per_block(self.config, block_size, self.dtype))
         self.pools = KVCachePools(self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype)
         self.sampler = Sampler()
+        self.graphs = None
+        if self.device.type == "cuda" and not enforce_eager:
+            from model_svc.cuda_graphs import DecodeGraphs
+
+            max_len = min(self.config.max_position_embeddings, num_device_blocks * block_size)
+            self.graphs = DecodeGraphs(self.model, self.pools.layer_caches, min(max_num_seqs, 512), -(-max_len // block_size), block_size, self.device)
         self.seqs: dict[str, _SeqState] = {}
         logger.info("model runner: %s on %s (%s), kernels=%s, %d device blocks, %d host blocks",
                     type(model).__name__, self.device, self.dtype, self.ops.name, num_device_blocks, num_host_blocks)
@@ -126,7 +133,10 @@ class ModelRunner:
         for s in inp.seqs:
             self._update_seq(s)
         input_ids, positions, meta, sample_rows = self._prepare(inp.seqs)
-        hidden = self.model(input_ids, positions, self.pools.layer_caches, meta)
+        if self.graphs is not None and meta.is_decode and self.graphs.can_run(len(inp.seqs), meta.block_tables.shape[1]):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.pools.layer_caches, meta)
         if not sample_rows:
             return StepOutput()
         logits = self.model.compute_logits(hidden[torch.tensor([r for r, _ in sample_rows], device=self.device)])

@@ -61,6 +61,7 @@ class LLMEngine:
                 device_memory_fraction=config.gpu_memory_utilization,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enforce_eager=config.enforce_eager,
+                max_num_seqs=config.max_num_seqs,
             )
         self.model = model
         self.model_config = model_config if model_config is not None else model.config

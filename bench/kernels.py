@@ -1,0 +1,503 @@
+"""Kernel benchmarks on the GPU: BENCHMARKS.md sections 1 (decode) and 2 (prefill).
+
+    python bench/kernels.py [--quick] [--out bench/results/kernels_h200.md]
+
+One run measures the two ceilings itself (device-to-device copy bandwidth, bf16 matmul rate),
+checks every Triton kernel against its torch reference at full size, times paged decode
+against torch SDPA (contiguous KV) and FlexAttention (paged block mask over the same cache),
+times prefill over a paged prefix, sweeps a few tile configs, and writes the tables as markdown
+(date, GPU, versions, the exact command) to --out.
+
+Timing: triton.testing.do_bench, median, after its warm-up; it rewrites a 256 MB buffer
+before every timed call, so each call starts with a cold L2 (no input is read from cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from kernels.reference import (  # noqa: E402
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kvcache_ref,
+)
+from kernels.triton_ops import (  # noqa: E402
+    TRITON_OPS,
+    DecodeConfig,
+    PrefillConfig,
+    decode_with_config,
+    pick_num_splits,
+    prefill_with_config,
+)
+from kernels.triton_decode import default_decode_config  # noqa: E402
+from kernels.triton_prefill import default_prefill_config  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+SCALE = 1.0 / math.sqrt(D)
+KV_LIMIT_BYTES = 40e9
+BATCHES = [1, 8, 32, 128, 256]
+LENGTHS = [1024, 8192, 32768]
+DECODE_VARIANTS = [DecodeConfig(64, 4, 5), DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 5),
+                   DecodeConfig(32, 4, 7), DecodeConfig(64, 8, 5), DecodeConfig(128, 8, 5)]
+PREFILL_VARIANTS = [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 128, 8, 3),
+                    PrefillConfig(128, 32, 8, 3), PrefillConfig(64, 64, 4, 3)]
+
+
+def bench_ms(fn, rep: int) -> float:
+    return do_bench(fn, warmup=max(10, rep // 4), rep=rep, return_mode="median")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return float((out - ref).norm() / ref.norm())
+
+
+# ------------------------------------------------------------------------------ ceilings
+
+
+def measure_ceilings(rep: int) -> dict:
+    nbytes = 2 << 30
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = bench_ms(lambda: dst.copy_(src), rep)
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    mm_ms = bench_ms(lambda: a @ b, rep)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_tbs": 2 * nbytes / copy_ms / 1e9, "matmul_tflops": 2 * n**3 / mm_ms / 1e9}
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def paged_cache(batch: int, seq_len: int, gen: torch.Generator):
+    """A shuffled pool holding batch sequences of seq_len tokens (random bf16 K/V)."""
+    blocks_per_seq = -(-seq_len // PAGE)
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn((num_blocks, PAGE, HKV, D), dtype=DTYPE, device="cuda", generator=gen)
+    v_cache = torch.randn((num_blocks, PAGE, HKV, D), dtype=DTYPE, device="cuda", generator=gen)
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen)
+    block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    return k_cache, v_cache, block_tables, seq_lens
+
+
+def contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """(B, Hkv, L, D) copy of each sequence's tokens, gathered in chunks to bound the peak."""
+    batch = block_tables.shape[0]
+    out = torch.empty((batch, HKV, seq_len, D), dtype=cache.dtype, device=cache.device)
+    chunk = max(1, (1 << 30) // (seq_len * HKV * D * 2))
+    for b0 in range(0, batch, chunk):
+        rows = cache[block_tables[b0 : b0 + chunk].long()]  # (c, blocks, PAGE, Hkv, D)
+        out[b0 : b0 + chunk] = rows.flatten(1, 2)[:, :seq_len].transpose(1, 2)
+    return out
+
+
+SDPA_BACKENDS = None  # the first backend that runs decode with GQA, found on the first cell
+
+
+def sdpa_decode_fn(q, k, v):
+    """SDPA on contiguous (B, Hkv, L, D) K/V with enable_gqa; returns (fn, backend name)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    global SDPA_BACKENDS
+    q4 = q.unsqueeze(2)  # (B, Hq, 1, D)
+    candidates = SDPA_BACKENDS or [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                   SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    for backend in candidates:
+        def fn(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q4, k, v, scale=SCALE, enable_gqa=True).squeeze(2)
+        try:
+            fn()
+        except RuntimeError:
+            continue
+        SDPA_BACKENDS = [backend]
+        return fn, backend.name.lower()
+    raise RuntimeError("no SDPA backend ran GQA decode")
+
+
+_FLEX = None
+
+
+def compiled_flex():
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+        _FLEX = torch.compile(flex_attention)
+    return _FLEX
+
+
+def flex_paged_decode_fn(q, k_cache, v_cache, block_tables, seq_lens):
+    """FlexAttention straight over the paged pool: K/V viewed as one (1, Hkv, blocks*PAGE, D)
+    sequence, and a BlockMask whose KV blocks (of PAGE tokens) for batch row b are that
+    sequence's physical blocks, in order. Full blocks need no mask; a partial last block masks
+    slots past seq_len through a physical-slot -> logical-position table."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, blocks_per_seq = block_tables.shape
+    num_blocks = k_cache.shape[0]
+    k = k_cache.view(1, num_blocks * PAGE, HKV, D).transpose(1, 2)
+    v = v_cache.view(1, num_blocks * PAGE, HKV, D).transpose(1, 2)
+    lens = seq_lens.long()
+    num_full = lens // PAGE
+    has_partial = (lens % PAGE != 0).to(torch.int32)
+    slot_pos = torch.full((num_blocks, PAGE), -1, dtype=torch.int64, device=q.device)
+    logical = torch.arange(blocks_per_seq, device=q.device)[:, None] * PAGE + torch.arange(PAGE, device=q.device)
+    slot_pos[block_tables.long()] = logical.expand(batch, -1, -1)
+    slot_pos = slot_pos.view(-1)
+    partial_idx = block_tables.gather(1, num_full.clamp(max=blocks_per_seq - 1)[:, None].to(torch.int64))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return slot_pos[kv_idx] < seq_lens[b]
+
+    block_mask = BlockMask.from_kv_blocks(
+        has_partial.view(batch, 1, 1), partial_idx.view(batch, 1, 1, 1).to(torch.int32),
+        num_full.to(torch.int32).view(batch, 1, 1), block_tables.view(batch, 1, 1, blocks_per_seq),
+        BLOCK_SIZE=(128, PAGE), mask_mod=mask_mod, seq_lengths=(1, num_blocks * PAGE), compute_q_blocks=False,
+    )
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = compiled_flex() if q.is_cuda else flex_attention  # eager (slow, exact) off the GPU
+    q4 = q.unsqueeze(2)
+    return lambda: flex(q4, k, v, block_mask=block_mask, scale=SCALE, enable_gqa=True).squeeze(2)
+
+
+# ------------------------------------------------------------------------------ sections
+
+
+def check_correctness(gen) -> list[dict]:
+    rows = []
+    # store_kvcache: 4096 tokens scattered over a 1024-block pool, some skipped
+    k_cache = torch.randn((1024, PAGE, HKV, D), dtype=DTYPE, device="cuda", generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.randperm(1024 * PAGE, device="cuda", generator=gen)[:4096]
+    slots[::9] = -1
+    key = torch.randn((4096, HKV, D), dtype=DTYPE, device="cuda", generator=gen)
+    value = torch.randn_like(key)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(key, value, k_ref, v_ref, slots)
+    TRITON_OPS.store_kvcache(key, value, k_cache, v_cache, slots)
+    exact = torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    rows.append({"kernel": "store_kvcache", "case": "N=4096 tokens, 1/9 skipped", "err": 0.0 if exact else float("nan"),
+                 "ok": exact})
+
+    # decode: ragged batch up to 8k, shuffled blocks
+    lens = [8192, 1, 5000, 17, 8000, 3333, 1024, 777]
+    blocks_per_seq = -(-max(lens) // PAGE)
+    num_blocks = len(lens) * blocks_per_seq
+    k_cache = torch.randn((num_blocks, PAGE, HKV, D), dtype=DTYPE, device="cuda", generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, device="cuda", generator=gen).view(len(lens), -1).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn((len(lens), HQ, D), dtype=DTYPE, device="cuda", generator=gen)
+    out = TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, SCALE)
+    err = rel_err(out, ref)
+    rows.append({"kernel": "paged_decode_attention", "case": f"B=8 ragged {min(lens)}..{max(lens)}", "err": err,
+                 "ok": err < 1e-2})
+
+    # prefill: 4k prompt, 0 and 3k cached
+    for cached in (0, 3072):
+        q_len = 4096 - cached
+        k_cache, v_cache, block_tables, seq_lens = paged_cache(1, 4096, gen)
+        q = torch.randn((q_len, HQ, D), dtype=DTYPE, device="cuda", generator=gen)
+        cu = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+        out = TRITON_OPS.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE)
+        ref = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE)
+        err = rel_err(out, ref)
+        rows.append({"kernel": "paged_prefill_attention", "case": f"4k prompt, {cached} cached", "err": err,
+                     "ok": err < 1e-2})
+    torch.cuda.empty_cache()
+    return rows
+
+
+def decode_table(cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_budget_s: float) -> list[dict]:
+    rows = []
+    flex_spent = 0.0
+    for batch, seq_len in tqdm(cells, desc="decode cells", file=sys.stdout):
+        kv_bytes = 2 * batch * seq_len * HKV * D * 2
+        k_cache, v_cache, block_tables, seq_lens = paged_cache(batch, seq_len, gen)
+        q = torch.randn((batch, HQ, D), dtype=DTYPE, device="cuda", generator=gen)
+        moved = kv_bytes + 2 * q.numel() * 2
+        triton_fn = lambda: TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)  # noqa: E731
+        out = triton_fn()
+        t_ms = bench_ms(triton_fn, rep)
+        row = {"B": batch, "L": seq_len, "kv_gb": kv_bytes / 1e9, "us": t_ms * 1e3, "tbs": moved / t_ms / 1e9,
+               "splits": pick_num_splits(batch, HKV, block_tables.shape[1] * PAGE, torch.cuda.get_device_properties(0).multi_processor_count,
+                                         default_decode_config(DTYPE, D).block_n)}
+        row["pct_copy"] = 100 * row["tbs"] / copy_tbs
+
+        if with_flex and flex_spent < flex_budget_s:
+            start = time.perf_counter()
+            try:
+                flex_fn = flex_paged_decode_fn(q, k_cache, v_cache, block_tables, seq_lens)
+                row["flex_err"] = rel_err(flex_fn(), out)
+                row["flex_us"] = bench_ms(flex_fn, rep) * 1e3
+            except Exception as exc:  # report and carry on: one failing baseline must not end the run
+                row["flex_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                print(f"flex failed at B={batch} L={seq_len}: {row['flex_error']}")
+            flex_spent += time.perf_counter() - start
+
+        k_contig = contiguous_kv(k_cache, block_tables, seq_len)
+        v_contig = contiguous_kv(v_cache, block_tables, seq_len)
+        del k_cache, v_cache
+        try:
+            sdpa_fn, backend = sdpa_decode_fn(q, k_contig, v_contig)
+            row["sdpa_err"] = rel_err(sdpa_fn(), out)
+            row["sdpa_us"] = bench_ms(sdpa_fn, rep) * 1e3
+            row["sdpa_backend"] = backend
+        except Exception as exc:
+            row["sdpa_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            print(f"sdpa failed at B={batch} L={seq_len}: {row['sdpa_error']}")
+        del k_contig, v_contig, q, out
+        torch.cuda.empty_cache()
+        rows.append(row)
+        tqdm.write(f"  B={batch:4d} L={seq_len:6d}: {row['us']:9.1f} us {row['tbs']:5.2f} TB/s "
+                   f"{row['pct_copy']:5.1f}% copy  sdpa {row.get('sdpa_us', float('nan')):9.1f} us  "
+                   f"flex {row.get('flex_us', float('nan')):9.1f} us", file=sys.stdout)
+    return rows
+
+
+def decode_graph_us(batch: int, seq_len: int, rep: int, gen) -> float:
+    """The same decode call captured in a CUDA graph (as the engine runs decode): no launch gaps."""
+    k_cache, v_cache, block_tables, seq_lens = paged_cache(batch, seq_len, gen)
+    q = torch.randn((batch, HQ, D), dtype=DTYPE, device="cuda", generator=gen)
+    TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)
+    return bench_ms(graph.replay, rep) * 1e3
+
+
+def decode_sweep(cells, copy_tbs: float, rep: int, gen) -> list[dict]:
+    """Tile configs and split counts (x0.5, x1, x2 of pick_num_splits) on a few cells."""
+    rows = []
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch, seq_len in tqdm(cells, desc="decode sweep", file=sys.stdout):
+        k_cache, v_cache, block_tables, seq_lens = paged_cache(batch, seq_len, gen)
+        q = torch.randn((batch, HQ, D), dtype=DTYPE, device="cuda", generator=gen)
+        moved = 2 * batch * seq_len * HKV * D * 2 + 2 * q.numel() * 2
+        for config in DECODE_VARIANTS:
+            base = pick_num_splits(batch, HKV, seq_len, num_sms, config.block_n)
+            for factor in (0.5, 1, 2):
+                splits = max(1, int(base * factor))
+                if factor != 1 and splits == base:
+                    continue
+                try:
+                    fn = lambda: decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, SCALE, config, splits)  # noqa: E731
+                    fn()
+                    t_ms = bench_ms(fn, rep)
+                    rows.append({"B": batch, "L": seq_len, "config": config, "splits": splits, "us": t_ms * 1e3,
+                                 "pct_copy": 100 * moved / t_ms / 1e9 / copy_tbs})
+                except Exception as exc:
+                    rows.append({"B": batch, "L": seq_len, "config": config, "splits": splits,
+                                 "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"})
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def causal_flops(q_len: int, seq_len: int) -> float:
+    """Sum over query positions of the keys each attends to, times 4 * D * Hq."""
+    cached = seq_len - q_len
+    attended = q_len * cached + q_len * (q_len + 1) // 2
+    return 4.0 * attended * D * HQ
+
+
+def prefill_table(configs, rep: int, gen, matmul_tflops: float) -> list[dict]:
+    from torch.nn.attention.bias import causal_lower_right
+
+    rows = []
+    for cached in (0, 3072):
+        seq_len, q_len = 4096, 4096 - cached
+        k_cache, v_cache, block_tables, seq_lens = paged_cache(1, seq_len, gen)
+        q = torch.randn((q_len, HQ, D), dtype=DTYPE, device="cuda", generator=gen)
+        cu = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+        flops = causal_flops(q_len, seq_len)
+        ref = TRITON_OPS.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE)
+        # SDPA on contiguous K/V (heads repeated for GQA), bottom-right-aligned causal mask
+        k_contig = contiguous_kv(k_cache, block_tables, seq_len).repeat_interleave(HQ // HKV, dim=1)
+        v_contig = contiguous_kv(v_cache, block_tables, seq_len).repeat_interleave(HQ // HKV, dim=1)
+        q4 = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, Lq, D)
+        if cached == 0:
+            sdpa_fn = lambda: F.scaled_dot_product_attention(q4, k_contig, v_contig, is_causal=True, scale=SCALE)  # noqa: E731
+        else:
+            bias = causal_lower_right(q_len, seq_len)
+            sdpa_fn = lambda: F.scaled_dot_product_attention(q4, k_contig, v_contig, attn_mask=bias, scale=SCALE)  # noqa: E731
+        sdpa_ms = bench_ms(sdpa_fn, rep)
+        sdpa_err = rel_err(sdpa_fn()[0].transpose(0, 1), ref)
+        for config in configs:
+            fn = lambda: prefill_with_config(q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE, config)  # noqa: E731
+            try:
+                err = rel_err(fn(), ref) if config != configs[0] else 0.0
+                t_ms = bench_ms(fn, rep)
+                rows.append({"cached": cached, "q_len": q_len, "config": config, "ms": t_ms, "tflops": flops / t_ms / 1e9,
+                             "pct_mm": 100 * flops / t_ms / 1e9 / matmul_tflops, "sdpa_ms": sdpa_ms,
+                             "sdpa_tflops": flops / sdpa_ms / 1e9, "err_vs_default": err, "sdpa_err": sdpa_err,
+                             "gflop": flops / 1e9})
+            except Exception as exc:
+                rows.append({"cached": cached, "q_len": q_len, "config": config,
+                             "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"})
+        del k_cache, v_cache, k_contig, v_contig
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def fmt(x, spec: str) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def cfg_str(c) -> str:
+    if isinstance(c, DecodeConfig):
+        return f"N{c.block_n}/w{c.num_warps}/s{c.num_stages}"
+    return f"{c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}"
+
+
+def render(meta, ceilings, checks, decode_rows, graph_us, sweep_rows, prefill_rows) -> str:
+    out = [f"# Kernel benchmarks: {meta['gpu']}", ""]
+    out += [f"- date: {meta['date']}", f"- GPU: {meta['gpu']} ({meta['sms']} SMs)",
+            f"- torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}",
+            f"- command: `{meta['command']}`", f"- wall time of the run: {meta['wall_s']:.0f} s", ""]
+    out += ["## Ceilings (measured in this run)", "",
+            "| ceiling | value |", "| --- | --- |",
+            f"| device-to-device copy, 2 GiB (bytes read + written) | {ceilings['copy_tbs']:.2f} TB/s |",
+            f"| bf16 matmul 8192^3 | {ceilings['matmul_tflops']:.0f} TFLOP/s |", ""]
+    out += ["## Correctness at full size (bf16, against kernels.reference)", "",
+            "| kernel | case | rel. error (norm) | ok |", "| --- | --- | --- | --- |"]
+    out += [f"| {r['kernel']} | {r['case']} | {r['err']:.2e} | {'yes' if r['ok'] else 'NO'} |" for r in checks]
+    out += [""]
+    backend = next((r["sdpa_backend"] for r in decode_rows if "sdpa_backend" in r), "n/a")
+    dcfg = default_decode_config(DTYPE, D)
+    out += ["## Decode: Hq=32, Hkv=8, D=128, bf16, block 16, shuffled block tables", "",
+            f"Triton config {cfg_str(dcfg)}, splits from `pick_num_splits`. Bytes = K and V of every context "
+            f"token once + q + out. SDPA: contiguous (B, Hkv, L, D) K/V, enable_gqa, backend `{backend}`. "
+            "Flex: compiled flex_attention reading the same paged pool through a BlockMask "
+            "(KV block = one page). Ratio columns: baseline time / Triton time (> 1: Triton faster).", "",
+            "| B | L | KV GB | splits | Triton µs | TB/s | % copy | SDPA µs | SDPA/Triton | Flex µs | Flex/Triton | err SDPA | err Flex |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in decode_rows:
+        sdpa_ratio = r["sdpa_us"] / r["us"] if "sdpa_us" in r else None
+        flex_ratio = r["flex_us"] / r["us"] if "flex_us" in r else None
+        out.append(
+            f"| {r['B']} | {r['L']} | {r['kv_gb']:.2f} | {r['splits']} | {r['us']:.1f} | {r['tbs']:.2f} | {r['pct_copy']:.1f} | "
+            f"{fmt(r.get('sdpa_us'), '.1f')} | {fmt(sdpa_ratio, '.2f')} | {fmt(r.get('flex_us'), '.1f')} | {fmt(flex_ratio, '.2f')} | "
+            f"{fmt(r.get('sdpa_err'), '.1e')} | {fmt(r.get('flex_err'), '.1e')} |")
+    errors = [f"- B={r['B']} L={r['L']}: {r[k]}" for r in decode_rows for k in ("sdpa_error", "flex_error") if k in r]
+    if errors:
+        out += ["", "Baseline errors:"] + errors
+    if graph_us is not None:
+        out += ["", f"B=1, L=1k inside a CUDA graph (replay, as the engine runs decode): {graph_us:.1f} µs"]
+    out += [""]
+    if sweep_rows:
+        out += ["## Decode sweep: tile configs and split counts", "",
+                "| B | L | config (tokens/warps/stages) | splits | µs | % copy |", "| --- | --- | --- | --- | --- | --- |"]
+        for r in sweep_rows:
+            if "error" in r:
+                out.append(f"| {r['B']} | {r['L']} | {cfg_str(r['config'])} | {r['splits']} | {r['error']} | |")
+            else:
+                out.append(f"| {r['B']} | {r['L']} | {cfg_str(r['config'])} | {r['splits']} | {r['us']:.1f} | {r['pct_copy']:.1f} |")
+        out += [""]
+    pcfg = default_prefill_config(DTYPE, D)
+    out += ["## Prefill over a paged prefix: 4k-token prompt, Hq=32, Hkv=8, D=128, bf16, block 16", "",
+            f"Default config {cfg_str(pcfg)} (first row of each case). FLOP = sum over query positions of "
+            "attended keys x 4 x D x Hq. SDPA: contiguous K/V with heads repeated, bottom-right causal mask "
+            "(is_causal when nothing is cached).", "",
+            "| cached | new | GFLOP | config (MxN/warps/stages) | Triton ms | TFLOP/s | % matmul | SDPA ms | SDPA TFLOP/s | SDPA/Triton | err vs default |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in prefill_rows:
+        if "error" in r:
+            out.append(f"| {r['cached']} | {r['q_len']} | | {cfg_str(r['config'])} | {r['error']} | | | | | | |")
+        else:
+            out.append(f"| {r['cached']} | {r['q_len']} | {r['gflop']:.1f} | {cfg_str(r['config'])} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                       f"{r['pct_mm']:.0f} | {r['sdpa_ms']:.3f} | {r['sdpa_tflops']:.0f} | {r['sdpa_ms'] / r['ms']:.2f} | {r['err_vs_default']:.1e} |")
+    return "\n".join(out) + "\n"
+
+
+def run_section(name: str, fn, *args, default=None):
+    print(f"== {name}", flush=True)
+    start = time.perf_counter()
+    try:
+        result = fn(*args)
+    except Exception:
+        traceback.print_exc()
+        result = default
+    print(f"== {name}: {time.perf_counter() - start:.1f} s", flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cells, shorter timing, no sweeps")
+    parser.add_argument("--out", default="bench/results/kernels_h200.md", help="markdown output path")
+    parser.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline")
+    parser.add_argument("--flex-budget-s", type=float, default=120.0, help="stop timing Flex after this many seconds")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    rep = 40 if args.quick else 100
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "gpu": props.name,
+            "sms": props.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "command": " ".join(["python", "bench/kernels.py", *sys.argv[1:]])}
+
+    ceilings = run_section("ceilings", measure_ceilings, rep, default={"copy_tbs": 4.3, "matmul_tflops": 790.0})
+    print(f"copy {ceilings['copy_tbs']:.2f} TB/s, matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
+    checks = run_section("correctness", check_correctness, gen, default=[])
+    for r in checks:
+        print(f"  {r['kernel']:26s} {r['case']:28s} rel err {r['err']:.2e} {'ok' if r['ok'] else 'FAILED'}")
+
+    batches = [1, 32, 256] if args.quick else BATCHES
+    lengths = [1024, 8192] if args.quick else LENGTHS
+    cells = [(b, n) for n in lengths for b in batches if 2 * b * n * HKV * D * 2 <= KV_LIMIT_BYTES]
+    decode_rows = run_section("decode table", decode_table, cells, ceilings["copy_tbs"], rep, gen,
+                              not args.no_flex, args.flex_budget_s, default=[])
+    graph_us = run_section("decode B=1 L=1k in a CUDA graph", decode_graph_us, 1, 1024, rep, gen)
+    sweep_cells = [] if args.quick else [(1, 32768), (8, 32768), (32, 8192), (256, 1024), (1, 1024)]
+    sweep_rows = run_section("decode sweep", decode_sweep, sweep_cells, ceilings["copy_tbs"], rep, gen, default=[])
+    configs = [default_prefill_config(DTYPE, D)] + ([] if args.quick else
+                                                    [c for c in PREFILL_VARIANTS if c != default_prefill_config(DTYPE, D)])
+    prefill_rows = run_section("prefill", prefill_table, configs, rep, gen, ceilings["matmul_tflops"], default=[])
+
+    meta["wall_s"] = time.perf_counter() - started
+    report = render(meta, ceilings, checks, decode_rows or [], graph_us, sweep_rows or [], prefill_rows or [])
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(report)
+    print()
+    print(report)
+    print(f"written to {args.out}")
+    return 0 if checks and all(r["ok"] for r in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
