@@ -52,6 +52,8 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 SCALE = 1.0 / math.sqrt(D)
 KV_LIMIT_BYTES = 40e9
+PROMPT, CACHED = 4096, 3072  # prefill: a 4k-token prompt, with 0 and with 3k tokens cached
+DEVICE = "cuda"
 BATCHES = [1, 8, 32, 128, 256]
 LENGTHS = [1024, 8192, 32768]
 DECODE_VARIANTS = [DecodeConfig(64, 4, 5), DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 5),
@@ -64,6 +66,10 @@ def bench_ms(fn, rep: int) -> float:
     return do_bench(fn, warmup=max(10, rep // 4), rep=rep, return_mode="median")
 
 
+def device_num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.float(), ref.float()
     return float((out - ref).norm() / ref.norm())
@@ -74,13 +80,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def measure_ceilings(rep: int) -> dict:
     nbytes = 2 << 30
-    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=DEVICE)
     dst = torch.empty_like(src)
     copy_ms = bench_ms(lambda: dst.copy_(src), rep)
     del src, dst
     n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
     mm_ms = bench_ms(lambda: a @ b, rep)
     del a, b
     torch.cuda.empty_cache()
@@ -94,11 +100,11 @@ def paged_cache(batch: int, seq_len: int, gen: torch.Generator):
     """A shuffled pool holding batch sequences of seq_len tokens (random bf16 K/V)."""
     blocks_per_seq = -(-seq_len // PAGE)
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn((num_blocks, PAGE, HKV, D), dtype=DTYPE, device="cuda", generator=gen)
-    v_cache = torch.randn((num_blocks, PAGE, HKV, D), dtype=DTYPE, device="cuda", generator=gen)
-    perm = torch.randperm(num_blocks, device="cuda", generator=gen)
+    k_cache = torch.randn((num_blocks, PAGE, HKV, D), dtype=DTYPE, device=DEVICE, generator=gen)
+    v_cache = torch.randn((num_blocks, PAGE, HKV, D), dtype=DTYPE, device=DEVICE, generator=gen)
+    perm = torch.randperm(num_blocks, device=DEVICE, generator=gen)
     block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
-    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=DEVICE)
     return k_cache, v_cache, block_tables, seq_lens
 
 
@@ -153,29 +159,39 @@ def compiled_flex():
 def flex_paged_decode_fn(q, k_cache, v_cache, block_tables, seq_lens):
     """FlexAttention straight over the paged pool: K/V viewed as one (1, Hkv, blocks*PAGE, D)
     sequence, and a BlockMask whose KV blocks (of PAGE tokens) for batch row b are that
-    sequence's physical blocks, in order. Full blocks need no mask; a partial last block masks
-    slots past seq_len through a physical-slot -> logical-position table."""
+    sequence's physical blocks, in order. Full blocks skip the mask; a partial last block is
+    masked through a physical slot -> (sequence, logical position) table (the layout of
+    torch's experimental PagedAttention)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     batch, blocks_per_seq = block_tables.shape
     num_blocks = k_cache.shape[0]
+    device = q.device
     k = k_cache.view(1, num_blocks * PAGE, HKV, D).transpose(1, 2)
     v = v_cache.view(1, num_blocks * PAGE, HKV, D).transpose(1, 2)
     lens = seq_lens.long()
     num_full = lens // PAGE
     has_partial = (lens % PAGE != 0).to(torch.int32)
-    slot_pos = torch.full((num_blocks, PAGE), -1, dtype=torch.int64, device=q.device)
-    logical = torch.arange(blocks_per_seq, device=q.device)[:, None] * PAGE + torch.arange(PAGE, device=q.device)
-    slot_pos[block_tables.long()] = logical.expand(batch, -1, -1)
-    slot_pos = slot_pos.view(-1)
-    partial_idx = block_tables.gather(1, num_full.clamp(max=blocks_per_seq - 1)[:, None].to(torch.int64))
+    # Physical slot -> (owning sequence, logical position); the mask_mod decides with these.
+    slot_seq = torch.full((num_blocks, PAGE), -1, dtype=torch.int32, device=device)
+    slot_pos = torch.full((num_blocks, PAGE), -1, dtype=torch.int32, device=device)
+    owned = block_tables.long()
+    slot_seq[owned] = torch.arange(batch, dtype=torch.int32, device=device)[:, None, None]
+    logical = torch.arange(blocks_per_seq * PAGE, dtype=torch.int32, device=device).view(blocks_per_seq, PAGE)
+    slot_pos[owned] = logical.expand(batch, -1, -1)
+    slot_seq, slot_pos = slot_seq.view(-1), slot_pos.view(-1)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return slot_pos[kv_idx] < seq_lens[b]
+        return (slot_seq[kv_idx] == b) & (slot_pos[kv_idx] < seq_lens[b])
 
+    # Index rows are as wide as the pool (BlockMask sizes its dense form by them); entries past
+    # each row's block count are never read.
+    full_idx = torch.zeros((batch, 1, 1, num_blocks), dtype=torch.int32, device=device)
+    full_idx[:, 0, 0, :blocks_per_seq] = block_tables
+    partial_idx = torch.zeros((batch, 1, 1, num_blocks), dtype=torch.int32, device=device)
+    partial_idx[:, 0, 0, 0] = block_tables.gather(1, num_full.clamp(max=blocks_per_seq - 1)[:, None]).view(-1)
     block_mask = BlockMask.from_kv_blocks(
-        has_partial.view(batch, 1, 1), partial_idx.view(batch, 1, 1, 1).to(torch.int32),
-        num_full.to(torch.int32).view(batch, 1, 1), block_tables.view(batch, 1, 1, blocks_per_seq),
+        has_partial.view(batch, 1, 1), partial_idx, num_full.to(torch.int32).view(batch, 1, 1), full_idx,
         BLOCK_SIZE=(128, PAGE), mask_mod=mask_mod, seq_lengths=(1, num_blocks * PAGE), compute_q_blocks=False,
     )
     from torch.nn.attention.flex_attention import flex_attention
@@ -191,11 +207,11 @@ def flex_paged_decode_fn(q, k_cache, v_cache, block_tables, seq_lens):
 def check_correctness(gen) -> list[dict]:
     rows = []
     # store_kvcache: 4096 tokens scattered over a 1024-block pool, some skipped
-    k_cache = torch.randn((1024, PAGE, HKV, D), dtype=DTYPE, device="cuda", generator=gen)
+    k_cache = torch.randn((1024, PAGE, HKV, D), dtype=DTYPE, device=DEVICE, generator=gen)
     v_cache = torch.randn_like(k_cache)
-    slots = torch.randperm(1024 * PAGE, device="cuda", generator=gen)[:4096]
+    slots = torch.randperm(1024 * PAGE, device=DEVICE, generator=gen)[:4096]
     slots[::9] = -1
-    key = torch.randn((4096, HKV, D), dtype=DTYPE, device="cuda", generator=gen)
+    key = torch.randn((4096, HKV, D), dtype=DTYPE, device=DEVICE, generator=gen)
     value = torch.randn_like(key)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kvcache_ref(key, value, k_ref, v_ref, slots)
@@ -208,11 +224,11 @@ def check_correctness(gen) -> list[dict]:
     lens = [8192, 1, 5000, 17, 8000, 3333, 1024, 777]
     blocks_per_seq = -(-max(lens) // PAGE)
     num_blocks = len(lens) * blocks_per_seq
-    k_cache = torch.randn((num_blocks, PAGE, HKV, D), dtype=DTYPE, device="cuda", generator=gen)
+    k_cache = torch.randn((num_blocks, PAGE, HKV, D), dtype=DTYPE, device=DEVICE, generator=gen)
     v_cache = torch.randn_like(k_cache)
-    block_tables = torch.randperm(num_blocks, device="cuda", generator=gen).view(len(lens), -1).to(torch.int32)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn((len(lens), HQ, D), dtype=DTYPE, device="cuda", generator=gen)
+    block_tables = torch.randperm(num_blocks, device=DEVICE, generator=gen).view(len(lens), -1).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn((len(lens), HQ, D), dtype=DTYPE, device=DEVICE, generator=gen)
     out = TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, SCALE)
     err = rel_err(out, ref)
@@ -220,15 +236,15 @@ def check_correctness(gen) -> list[dict]:
                  "ok": err < 1e-2})
 
     # prefill: 4k prompt, 0 and 3k cached
-    for cached in (0, 3072):
-        q_len = 4096 - cached
-        k_cache, v_cache, block_tables, seq_lens = paged_cache(1, 4096, gen)
-        q = torch.randn((q_len, HQ, D), dtype=DTYPE, device="cuda", generator=gen)
-        cu = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+    for cached in (0, CACHED):
+        q_len = PROMPT - cached
+        k_cache, v_cache, block_tables, seq_lens = paged_cache(1, PROMPT, gen)
+        q = torch.randn((q_len, HQ, D), dtype=DTYPE, device=DEVICE, generator=gen)
+        cu = torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE)
         out = TRITON_OPS.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE)
         ref = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE)
         err = rel_err(out, ref)
-        rows.append({"kernel": "paged_prefill_attention", "case": f"4k prompt, {cached} cached", "err": err,
+        rows.append({"kernel": "paged_prefill_attention", "case": f"{PROMPT}-token prompt, {cached} cached", "err": err,
                      "ok": err < 1e-2})
     torch.cuda.empty_cache()
     return rows
@@ -240,13 +256,13 @@ def decode_table(cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_bu
     for batch, seq_len in tqdm(cells, desc="decode cells", file=sys.stdout):
         kv_bytes = 2 * batch * seq_len * HKV * D * 2
         k_cache, v_cache, block_tables, seq_lens = paged_cache(batch, seq_len, gen)
-        q = torch.randn((batch, HQ, D), dtype=DTYPE, device="cuda", generator=gen)
+        q = torch.randn((batch, HQ, D), dtype=DTYPE, device=DEVICE, generator=gen)
         moved = kv_bytes + 2 * q.numel() * 2
         triton_fn = lambda: TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)  # noqa: E731
         out = triton_fn()
         t_ms = bench_ms(triton_fn, rep)
         row = {"B": batch, "L": seq_len, "kv_gb": kv_bytes / 1e9, "us": t_ms * 1e3, "tbs": moved / t_ms / 1e9,
-               "splits": pick_num_splits(batch, HKV, block_tables.shape[1] * PAGE, torch.cuda.get_device_properties(0).multi_processor_count,
+               "splits": pick_num_splits(batch, HKV, block_tables.shape[1] * PAGE, device_num_sms(),
                                          default_decode_config(DTYPE, D).block_n)}
         row["pct_copy"] = 100 * row["tbs"] / copy_tbs
 
@@ -284,7 +300,7 @@ def decode_table(cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_bu
 def decode_graph_us(batch: int, seq_len: int, rep: int, gen) -> float:
     """The same decode call captured in a CUDA graph (as the engine runs decode): no launch gaps."""
     k_cache, v_cache, block_tables, seq_lens = paged_cache(batch, seq_len, gen)
-    q = torch.randn((batch, HQ, D), dtype=DTYPE, device="cuda", generator=gen)
+    q = torch.randn((batch, HQ, D), dtype=DTYPE, device=DEVICE, generator=gen)
     TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -296,10 +312,10 @@ def decode_graph_us(batch: int, seq_len: int, rep: int, gen) -> float:
 def decode_sweep(cells, copy_tbs: float, rep: int, gen) -> list[dict]:
     """Tile configs and split counts (x0.5, x1, x2 of pick_num_splits) on a few cells."""
     rows = []
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_sms = device_num_sms()
     for batch, seq_len in tqdm(cells, desc="decode sweep", file=sys.stdout):
         k_cache, v_cache, block_tables, seq_lens = paged_cache(batch, seq_len, gen)
-        q = torch.randn((batch, HQ, D), dtype=DTYPE, device="cuda", generator=gen)
+        q = torch.randn((batch, HQ, D), dtype=DTYPE, device=DEVICE, generator=gen)
         moved = 2 * batch * seq_len * HKV * D * 2 + 2 * q.numel() * 2
         for config in DECODE_VARIANTS:
             base = pick_num_splits(batch, HKV, seq_len, num_sms, config.block_n)
@@ -332,11 +348,11 @@ def prefill_table(configs, rep: int, gen, matmul_tflops: float) -> list[dict]:
     from torch.nn.attention.bias import causal_lower_right
 
     rows = []
-    for cached in (0, 3072):
-        seq_len, q_len = 4096, 4096 - cached
+    for cached in (0, CACHED):
+        seq_len, q_len = PROMPT, PROMPT - cached
         k_cache, v_cache, block_tables, seq_lens = paged_cache(1, seq_len, gen)
-        q = torch.randn((q_len, HQ, D), dtype=DTYPE, device="cuda", generator=gen)
-        cu = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+        q = torch.randn((q_len, HQ, D), dtype=DTYPE, device=DEVICE, generator=gen)
+        cu = torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE)
         flops = causal_flops(q_len, seq_len)
         ref = TRITON_OPS.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE)
         # SDPA on contiguous K/V (heads repeated for GQA), bottom-right-aligned causal mask
@@ -464,7 +480,7 @@ def main() -> int:
         return 2
     started = time.perf_counter()
     rep = 40 if args.quick else 100
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "gpu": props.name,
             "sms": props.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,

@@ -137,7 +137,7 @@ def _decode_split_kernel(
         m_i = m_new
 
     if DIRECT:
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # seq_len 0 (padding rows): zeros
         tl.store(
             out_ptr + seq.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :],
@@ -165,7 +165,8 @@ def _decode_combine_kernel(
 
     offs_s = tl.arange(0, SPLITS_PAD)
     lse = tl.load(part_lse_ptr + row0 + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse, 0)  # finite: split 0 always holds at least one key
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # seq_len 0 (padding rows): zeros
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_b = tl.arange(0, BLOCK_S)
@@ -178,7 +179,8 @@ def _decode_combine_kernel(
         o = tl.load(part_out_ptr + (row0 + s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         acc += tl.sum(o * w[:, None], 0)
         weights += w
-    out = acc / tl.sum(weights, 0)
+    weight_sum = tl.sum(weights, 0)
+    out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)
     tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 

@@ -204,13 +204,12 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, seqs: list[SeqStep]) -> StepOutput:
         states = [self.seqs[s.seq_id] for s in seqs]
-        batch = SamplingBatch.build(
-            [st.sampling for st in states],
-            [st.token_ids[: st.num_prompt_tokens] for st in states],
-            [st.token_ids[st.num_prompt_tokens :] for st in states],
-            [st.generator for st in states],
-            self.device,
-        )
+        params = [st.sampling for st in states]
+        prompts = outputs = None
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            prompts = [st.token_ids[: st.num_prompt_tokens] for st in states]
+            outputs = [st.token_ids[st.num_prompt_tokens :] for st in states]
+        batch = SamplingBatch.build(params, prompts, outputs, [st.generator for st in states], self.device)
         result = self.sampler(logits, batch)
         token_ids = result.token_ids.tolist()
         out = StepOutput([SampledToken(s.seq_id, t) for s, t in zip(seqs, token_ids)])

@@ -45,7 +45,7 @@ class _Stream:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: ModelClient | None = None, tokenizer=None, model_config=None) -> None:
+    def __init__(self, config: EngineConfig, model: ModelClient | None = None, tokenizer=None, model_config=None, kv=None) -> None:
         self.config = config
         if model is None:
             from model_svc.runner import ModelRunner
@@ -70,7 +70,8 @@ class LLMEngine:
 
             tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
-        self.kv = KVCacheManager(model.num_device_blocks, model.num_host_blocks, config.block_size, config.enable_prefix_caching)
+        # Service mode passes a KV-cache client with the manager's interface (kvcache_svc.client).
+        self.kv = kv if kv is not None else KVCacheManager(model.num_device_blocks, model.num_host_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.enable_chunked_prefill), self.kv
         )
@@ -82,6 +83,7 @@ class LLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._detokenizers: dict[bool, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self.stream_outputs = True  # False: step() returns finished requests only (offline use)
 
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -156,7 +158,8 @@ class LLMEngine:
             if req.sampling.logprobs is not None and token.logprob is not None:
                 req.logprobs.append((token.logprob, token.top_logprobs or []))
             self._check_stop(req)
-            outputs.append(self._output(req))
+            if self.stream_outputs or req.finished:
+                outputs.append(self._output(req))
         return outputs
 
     def _check_stop(self, req: Request) -> None:

@@ -87,6 +87,7 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
+        self.engine.stream_outputs = False
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -99,6 +100,7 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         finally:
+            self.engine.stream_outputs = True
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
@@ -121,14 +123,19 @@ class AsyncLLM:
     def from_config(cls, config: EngineConfig) -> "AsyncLLM":
         return cls(LLMEngine(config))
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per step that produced text for this request; the last has
         finished=True. Cancelling the consumer aborts the request and frees its blocks."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self._commands.put(("add", prompt, params, request_id, done, loop))
+        self._commands.put(("add", prompt, params, request_id, done, loop, cache_salt))
         self._wake.set()
-        request_id, stream = await done  # raises ValueError for invalid input
+        try:
+            request_id, stream = await asyncio.shield(done)  # raises ValueError for invalid input
+        except asyncio.CancelledError:  # gone before the engine took the request: abort it then
+            done.add_done_callback(self._abort_when_added)
+            raise
         try:
             while True:
                 item = await stream.get()
@@ -140,6 +147,12 @@ class AsyncLLM:
         finally:
             if self._streams.pop(request_id, None) is not None:
                 self.abort(request_id)
+
+    def _abort_when_added(self, done: asyncio.Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            request_id, _ = done.result()
+            self._streams.pop(request_id, None)
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -174,9 +187,9 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, prompt, params, request_id, done, loop = cmd
+                _, prompt, params, request_id, done, loop, cache_salt = cmd
                 try:
-                    request_id = self.engine.add_request(prompt, params, request_id)
+                    request_id = self.engine.add_request(prompt, params, request_id, cache_salt)
                 except Exception as exc:
                     loop.call_soon_threadsafe(_set_exception, done, exc)
                     continue

@@ -49,7 +49,7 @@ def _positive(section: str, obj: Any, *names: str) -> None:
 @dataclass(frozen=True, slots=True)
 class SchedulerSection:
     address: str = "0.0.0.0:50051"
-    metrics_port: int | None = 9400  # Prometheus /metrics on the scheduler's host; None = off
+    metrics_port: int | None = 9400  # Prometheus /metrics on the scheduler's host; None or 0 = off
     tokenizer: str | None = None  # None: the model section's directory
     max_waiting: int = 1024  # queued requests beyond this get RESOURCE_EXHAUSTED
     max_num_seqs: int = 256
@@ -103,6 +103,7 @@ class ModelSection:
     kernel_backend: str | None = None
     max_num_batched_tokens: int = 8192
     torch_threads: int | None = None  # CPU threads for torch; None: torch's default
+    enforce_eager: bool = False  # True: no CUDA graphs
 
     def __post_init__(self) -> None:
         _check_address("model.address", self.address)
@@ -155,7 +156,14 @@ def _merge(values: dict[str, dict[str, Any]], section: str, updates: Mapping[str
     for name, raw in updates.items():
         if name not in fields:
             raise ValueError(f"{source}: unknown key {section}.{name} (known: {', '.join(sorted(fields))})")
-        values[section][name] = _coerce(section, name, raw, fields[name])
+        try:
+            value = _coerce(section, name, raw, fields[name])
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+        if value is None and "None" not in fields[name]:
+            values[section].pop(name, None)  # null for a key that needs a value: its default
+        else:
+            values[section][name] = value
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Mapping[str, Mapping[str, Any]] | None = None,

@@ -61,13 +61,16 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 def make_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, device, gen, spare_blocks=3):
     """K/V caches holding sequences of the given lengths in shuffled physical blocks, and
-    their (non-contiguous) block table. Everything outside the sequences is NaN."""
+    their (non-contiguous) block table. Everything outside the sequences is NaN; table entries
+    past a sequence's last block point at a NaN block."""
     blocks_per_seq = [cdiv(n, block_size) for n in lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
     v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    perm = torch.randperm(num_blocks, generator=gen).to(device)
+    # Block 0 is never a sequence's: masked-off loads fall back to it, so a kernel that lets
+    # such a load reach its result picks up NaN.
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).to(device)
     nan_block = int(perm[-1])
     width = max(blocks_per_seq) + 2
     wide = torch.full((len(lens), width + 5), nan_block, dtype=torch.int32, device=device)
@@ -126,7 +129,7 @@ def test_pick_num_splits_fills_the_gpu(batch, kv_heads, max_len, expected):
 # store_kvcache
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size,head_dim,heads", SHAPES[:4], ids=SHAPE_IDS[:4])
 def test_store_kvcache_matches_reference(device, dtype, block_size, head_dim, heads):
     gen = torch.Generator().manual_seed(1)
@@ -186,7 +189,7 @@ def run_decode_case(device, dtype, lens, block_size, head_dim, heads, seed=3, **
     assert_matches(out, ref)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", list(DECODE_BATCHES))
 @pytest.mark.parametrize("block_size,head_dim,heads", SHAPES, ids=SHAPE_IDS)
 def test_decode_matches_reference(device, dtype, batch, block_size, head_dim, heads):
@@ -197,6 +200,21 @@ def test_decode_matches_reference(device, dtype, batch, block_size, head_dim, he
 def test_decode_any_split_count(device, num_splits):
     """One split (direct write), a few, and more splits than tiles (empty splits)."""
     run_decode_case(device, torch.float32, DECODE_BATCHES["ragged"], 16, 64, (8, 2), num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_rows_without_context_give_zeros(device, num_splits):
+    """Padded rows of a CUDA-graph batch may carry seq_len 0: zeros, not NaN, and the other
+    rows are unaffected. (The reference needs seq_len >= 1, so it sees only the real rows.)"""
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache, block_tables, seq_lens = make_paged_kv([50, 1, 20], 2, 64, 16, torch.float32, device, gen)
+    seq_lens[1] = 0
+    q = make_query(3, 4, 2, 64, torch.float32, device, gen)
+    out = decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, 0.125, num_splits=num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    real = torch.tensor([0, 2], device=device)
+    ref = paged_decode_attention_ref(q[real], k_cache, v_cache, block_tables[real], seq_lens[real], 0.125)
+    assert_matches(out[real], ref)
 
 
 def test_decode_gpu_tile_config(device):
@@ -243,7 +261,7 @@ def run_prefill_case(device, dtype, batch, block_size, head_dim, heads, seed=5, 
     assert_matches(out, ref)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", list(PREFILL_BATCHES))
 @pytest.mark.parametrize("block_size,head_dim,heads", SHAPES[:4], ids=SHAPE_IDS[:4])
 def test_prefill_matches_reference(device, dtype, batch, block_size, head_dim, heads):
@@ -275,7 +293,7 @@ def test_prefill_public_entry_point(device):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "block_size,head_dim,heads", [(16, 128, (32, 8)), (64, 128, (32, 8)), (8, 256, (16, 2)), (128, 80, (8, 8))]
 )
@@ -285,7 +303,7 @@ def test_gpu_decode_production_shapes(dtype, block_size, head_dim, heads):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "block_size,head_dim,heads", [(16, 128, (32, 8)), (64, 128, (32, 8)), (8, 256, (16, 2)), (128, 80, (8, 8))]
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -94,12 +95,17 @@ class ServiceProcess:
     def start(self) -> None:
         self.log_path = self.log_dir / f"{self.kind}-{uuid.uuid4().hex[:6]}.log"
         self.log = open(self.log_path, "w")
+        # A session of its own: kill() takes the children of `serve all` along.
         self.proc = subprocess.Popen([sys.executable, "-m", "scheduler_svc.cli", "-v", "serve", self.kind, *self.args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=True)
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+        """SIGKILL to the process and everything it started."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             self.proc.wait(timeout=10)
         self.log.close()
 
@@ -116,3 +122,127 @@ class ServiceProcess:
             return "\n".join(self.log_path.read_text().splitlines()[-n:])
         except OSError:
             return ""
+
+
+class Stack:
+    """kvcache + model + scheduler processes on free loopback ports."""
+
+    def __init__(self, log_dir: Path, redis_url: str | None = None, deployment: str | None = None,
+                 scheduler_args: list[str] | None = None, model_args: list[str] | None = None) -> None:
+        self.log_dir = log_dir
+        self.addr = {k: f"127.0.0.1:{free_port()}" for k in ("scheduler", "kvcache", "model")}
+        self.metrics_port = free_port()
+        common = ["--scheduler-addr", self.addr["scheduler"], "--kvcache-addr", self.addr["kvcache"], "--model-addr", self.addr["model"]]
+        kv_args = common + (["--redis-url", redis_url] if redis_url else []) + (["--deployment", deployment] if deployment else [])
+        self.args = {
+            "kvcache": kv_args,
+            "model": common + ["--device", "cpu", "--torch-threads", "1", "--num-gpu-blocks", "256", "--num-cpu-blocks", "64"] + (model_args or []),
+            "scheduler": common + ["--metrics-port", str(self.metrics_port)] + (scheduler_args or []),
+        }
+        self.procs: dict[str, ServiceProcess] = {}
+        try:
+            for kind in ("kvcache", "model", "scheduler"):
+                self.procs[kind] = ServiceProcess(kind, self.args[kind], log_dir)
+            for kind in ("kvcache", "model", "scheduler"):
+                self.wait_ready(kind)
+        except BaseException:
+            self.close()
+            raise
+
+    def wait_ready(self, kind: str, timeout: float = 120) -> None:
+        from scheduler_svc.rpc import check_health
+
+        proc = self.procs[kind]
+        try:
+            wait_for(lambda: check_health(self.addr[kind], timeout=0.5), timeout, f"{kind} service", proc.proc)
+        except (TimeoutError, RuntimeError) as exc:
+            raise RuntimeError(f"{exc}\n--- {kind} log ---\n{proc.tail()}") from None
+
+    def kill(self, kind: str) -> None:
+        self.procs[kind].kill()
+
+    def restart(self, kind: str, wait: bool = True) -> None:
+        self.procs[kind].kill()
+        self.procs[kind] = ServiceProcess(kind, self.args[kind], self.log_dir)
+        if wait:
+            self.wait_ready(kind)
+
+    def client(self, timeout: float | None = 60):
+        from scheduler_svc.client import Client
+
+        return Client(self.addr["scheduler"], timeout=timeout)
+
+    def kv_info(self):
+        import grpc
+
+        from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
+        from protos.picovllm.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(self.addr["kvcache"]) as ch:
+            stub = pb_grpc.KVCacheServiceStub(ch)
+            check = stub.CheckInvariants(pb.CheckInvariantsRequest(), timeout=10)
+            info = stub.GetInfo(pb.GetInfoRequest(), timeout=10)
+        return check, info
+
+    def wait_kv_clean(self, timeout: float = 20):
+        """Every block free or cached and the invariant holding, in the KV-cache service."""
+        result = {}
+
+        def clean() -> bool:
+            check, info = self.kv_info()
+            result.update(check=check, info=info)
+            return check.ok and info.all_free_or_cached and info.num_seqs == 0
+
+        try:
+            wait_for(clean, timeout, "KV-cache blocks freed")
+        except TimeoutError:
+            raise AssertionError(f"KV-cache not clean: {result}") from None
+        return result["info"]
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+
+
+def generate_all(stack: Stack, prompts: list, timeout: float = 60, concurrent: bool = False, **sampling) -> list[tuple[list[int], str, int]]:
+    """(token ids, text, finish reason) per prompt, one request at a time or all at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(prompt):
+        with stack.client(timeout) as c:
+            text, ids, last = c.complete(prompt, **sampling)
+        return ids, text, last.finish_reason
+
+    if not concurrent:
+        return [one(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+PROMPTS = [
+    "Once upon a time",
+    "Lily and Tom went to the park.",
+    "One day, a little dog named Max",
+    # Longer than a block, sharing a prefix (prefix cache hits in both modes).
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun with her friends",
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun with her cat",
+    [1, 400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412, 413, 414, 415, 416, 417],  # token ids
+]
+FINISH = {"stop": 1, "length": 2, "abort": 3}
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """Embedded mode with the services' pool sizes: the reference for every parity check."""
+    import torch
+
+    from scheduler_svc import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    llm = LLM(num_gpu_blocks=256, num_cpu_blocks=64, device="cpu")
+
+    def run(prompts: list, **sampling) -> list[tuple[list[int], str, int]]:
+        outs = [llm.generate([p], SamplingParams(**sampling))[0] for p in prompts]
+        return [(o.token_ids, o.text, FINISH[o.finish_reason]) for o in outs]
+
+    return run

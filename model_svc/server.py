@@ -1,0 +1,140 @@
+"""The model gRPC service (picovllm.model.v1): a thin servicer over ModelRunner.
+
+Every start makes a new epoch (a random id): the KV tensors and per-sequence state die with
+the process, and a scheduler that sees the epoch change recomputes what lived here. A step
+sent for another epoch is refused without running. Runner calls happen on one worker
+thread, so health checks answer while a step (or the model load) runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from model_svc import convert
+from model_svc.step import StepInput, StepOutput
+from protos.picovllm.model.v1 import model_pb2 as pb
+from protos.picovllm.model.v1 import model_pb2_grpc as pb_grpc
+from scheduler_svc.errors import FailedPrecondition, Unavailable
+from scheduler_svc.rpc import start_server, stop_event
+from scheduler_svc.service_config import ModelSection
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelService"].full_name
+
+
+class EpochMismatch(FailedPrecondition):
+    pass
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    epoch: str
+    model: str
+    family: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    block_size: int
+    num_device_blocks: int
+    num_host_blocks: int
+    device: str
+    dtype: str
+
+
+class ModelService:
+    def __init__(self, config: ModelSection, max_num_seqs: int = 256, runner: Any = None) -> None:
+        self.config = config
+        self.max_num_seqs = max_num_seqs  # the scheduler's batch limit (CUDA graph sizes)
+        self.epoch = uuid.uuid4().hex
+        self.runner = runner
+
+    def load(self) -> None:
+        import torch
+
+        from model_svc.runner import ModelRunner
+        from scheduler_svc.config import EngineConfig
+
+        c = self.config
+        if c.torch_threads is not None:
+            torch.set_num_threads(c.torch_threads)
+        engine = EngineConfig(  # validates the values and sizes the host pool as embedded mode does
+            model=c.model, block_size=c.block_size, num_gpu_blocks=c.num_gpu_blocks, num_cpu_blocks=c.num_cpu_blocks,
+            swap_space_gib=c.swap_space_gib, gpu_memory_utilization=c.gpu_memory_utilization, device=c.device, dtype=c.dtype,
+            kernel_backend=c.kernel_backend, max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+        )
+        self.runner = ModelRunner(
+            c.model, block_size=c.block_size, num_device_blocks=c.num_gpu_blocks,
+            num_host_blocks=lambda num_device, block_bytes: engine.resolve_num_cpu_blocks(num_device, block_bytes),
+            device=c.device, dtype=c.dtype, kernel_backend=c.kernel_backend,
+            device_memory_fraction=c.gpu_memory_utilization, max_num_batched_tokens=c.max_num_batched_tokens,
+            enforce_eager=c.enforce_eager, max_num_seqs=self.max_num_seqs,
+        )
+
+    def info(self) -> ModelInfo:
+        r = self._ready()
+        mc = r.config
+        return ModelInfo(self.epoch, self.config.model, mc.family, mc.vocab_size, mc.max_position_embeddings,
+                         tuple(mc.eos_token_ids), mc.bos_token_id, r.block_size, r.num_device_blocks, r.num_host_blocks,
+                         str(r.device), str(r.dtype))
+
+    def step(self, expected_epoch: str, inp: StepInput) -> StepOutput:
+        runner = self._ready()
+        if expected_epoch != self.epoch:
+            raise EpochMismatch(f"step for epoch {expected_epoch or '(none)'}; this service is epoch {self.epoch}")
+        return runner.step(inp)
+
+    def _ready(self) -> Any:
+        if self.runner is None:
+            raise Unavailable("the model is still loading")
+        return self.runner
+
+
+def info_to_pb(i: ModelInfo) -> pb.GetInfoResponse:
+    return pb.GetInfoResponse(
+        epoch=i.epoch, model=i.model, family=i.family, vocab_size=i.vocab_size, max_position_embeddings=i.max_position_embeddings,
+        eos_token_ids=i.eos_token_ids, bos_token_id=i.bos_token_id, block_size=i.block_size, num_device_blocks=i.num_device_blocks,
+        num_host_blocks=i.num_host_blocks, device=i.device, dtype=i.dtype,
+    )
+
+
+class ModelServicer(pb_grpc.ModelServiceServicer):
+    def __init__(self, service: ModelService, executor: ThreadPoolExecutor) -> None:
+        self.service = service
+        self.executor = executor
+
+    async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
+        inp = convert.step_from_pb(request)
+        loop = asyncio.get_running_loop()
+        out = await loop.run_in_executor(self.executor, self.service.step, request.expected_epoch, inp)
+        return convert.output_to_pb(out, self.service.epoch)
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
+        return info_to_pb(self.service.info())
+
+
+async def serve(config: ModelSection, max_num_seqs: int = 256) -> None:
+    """Load the model (NOT_SERVING meanwhile), serve until SIGTERM/SIGINT."""
+    service = ModelService(config, max_num_seqs)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
+    servicer = ModelServicer(service, executor)
+    running = await start_server(config.address, [(pb_grpc.add_ModelServiceServicer_to_server, servicer, SERVICE_NAME)])
+    stop = stop_event()
+    load = asyncio.get_running_loop().run_in_executor(executor, service.load)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if load.done():
+        load.result()  # a model that fails to load ends the process with the error
+        await running.set_serving(True)
+        logger.info("model service ready on %s: epoch %s, %d device / %d host blocks", config.address, service.epoch,
+                    service.runner.num_device_blocks, service.runner.num_host_blocks)
+        await stopped
+    await running.set_serving(False)
+    await running.server.stop(grace=5)
+    executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,129 @@
+"""A small Python client of the scheduler service, and `picovllm client "prompt"`.
+
+    from scheduler_svc.client import Client
+    with Client("127.0.0.1:50051") as c:
+        for msg in c.generate("Once upon a time", max_tokens=32, temperature=0):
+            print(msg.text, end="", flush=True)
+
+Needs grpcio and protobuf only (no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
+from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+_REPEATED = ("stop", "stop_token_ids")
+
+
+def sampling_to_pb(**sampling: Any) -> pb.SamplingParams:
+    """Keyword arguments named as in SamplingParams; None means 'server default'."""
+    m = pb.SamplingParams()
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if name in _REPEATED:
+            getattr(m, name).extend([value] if isinstance(value, (str, int)) else value)
+        elif not hasattr(m, name):
+            raise TypeError(f"unknown sampling parameter {name!r}")
+        else:
+            setattr(m, name, value)
+    return m
+
+
+def generate_request(prompt: str | list[int], request_id: str = "", cache_salt: str = "", **sampling: Any) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt, sampling=sampling_to_pb(**sampling))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.SetInParent()
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+class Client:
+    def __init__(self, address: str | None = None, timeout: float | None = None) -> None:
+        self.address = address or os.environ.get("PICOVLLM_SCHEDULER_ADDR", DEFAULT_ADDRESS).replace("0.0.0.0", "127.0.0.1")
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.SchedulerServiceStub(self.channel)
+
+    def generate(self, prompt: str | list[int], *, request_id: str = "", cache_salt: str = "", timeout: float | None = None,
+                 **sampling: Any) -> Iterator[pb.GenerateResponse]:
+        """Stream the completion, one message per step; the last one has a finish reason.
+        Closing the iterator early cancels the call (the server aborts the request)."""
+        call = self.stub.Generate(generate_request(prompt, request_id, cache_salt, **sampling), timeout=timeout or self.timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def complete(self, prompt: str | list[int], **kwargs: Any) -> tuple[str, list[int], pb.GenerateResponse]:
+        """The whole completion: (text, token ids, last message)."""
+        text, ids, last = [], [], None
+        for last in self.generate(prompt, **kwargs):
+            text.append(last.text)
+            ids.extend(last.token_ids)
+        assert last is not None
+        return "".join(text), ids, last
+
+    def abort(self, request_id: str, timeout: float = 10.0) -> None:
+        self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)
+
+    def model_info(self, timeout: float = 10.0) -> pb.GetModelInfoResponse:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------- CLI
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from scheduler_svc.cli import add_sampling_flags
+
+    p = subparsers.add_parser("client", help="stream a completion from a running server")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--addr", default=None, help=f"scheduler address (default $PICOVLLM_SCHEDULER_ADDR or {DEFAULT_ADDRESS})")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_sampling_flags(p)
+    p.set_defaults(func=cmd_client)
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    sampling = dict(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+        max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, logprobs=args.logprobs,
+    )
+    out = sys.stdout
+    last = None
+    try:
+        with Client(args.addr, args.timeout) as client:
+            out.write(args.prompt)
+            for last in client.generate(args.prompt, **sampling):
+                out.write(last.text)
+                out.flush()
+    except grpc.RpcError as err:
+        print(f"\npicovllm: error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    out.write("\n")
+    if args.verbose and last is not None:
+        reason = pb.FinishReason.Name(last.finish_reason)
+        print(f"[{last.usage.completion_tokens} tokens, {reason}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,169 @@
+"""ServiceEngine: LLMEngine over the two remote clients, with the failure handling that
+service mode needs. Embedded mode never uses it.
+
+One step is still two calls: the KV client's commit (every block op of the step, one
+ApplyStep) and the model step. Around them:
+
+- A peer that stays down for the retry window: the step is kept (`pending`) and the engine
+  returns no outputs; the next step() (after queued adds and aborts are applied) tries the
+  same step again. Requests whose deadline passes meanwhile are failed by the front end.
+- A model service with a new epoch (it restarted): the KV pools are reset to the new epoch
+  and every unfinished request is recomputed from its prompt and generated tokens.
+- A KV service out of step with the local copy: the client resyncs, and the requests are
+  recomputed on the resynced state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvcache_svc.client import KVClient, KVOutOfSync, KVUnavailable
+from kvcache_svc.ops import PoolConfig
+from model_svc.client import ModelRestarted, ModelUnavailable, RemoteModel
+from scheduler_svc.config import EngineConfig
+from scheduler_svc.engine import LLMEngine
+from scheduler_svc.outputs import RequestOutput
+from scheduler_svc.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def pool_config(model: RemoteModel, enable_prefix_caching: bool) -> PoolConfig:
+    info = model.info
+    assert info is not None
+    return PoolConfig(info.num_device_blocks, info.num_host_blocks, info.block_size, enable_prefix_caching, info.epoch)
+
+
+class ServiceEngine(LLMEngine):
+    def __init__(self, config: EngineConfig, model: RemoteModel, kv: KVClient, tokenizer: Any) -> None:
+        super().__init__(config, model=model, tokenizer=tokenizer, model_config=model.config, kv=kv)
+        self.model: RemoteModel
+        self.kv: KVClient
+        self.deadlines: dict[str, float] = {}  # request id -> monotonic deadline (set by the front end)
+        self.unavailable: str | None = None  # why the last step could not run, while that lasts
+        self._pending: SchedulerOutput | None = None  # scheduled, not yet run by the model
+        self._restarted = False  # the model came back empty: recompute before the next step
+        self.num_steps = 0
+        self.num_recoveries = 0
+
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() or self.kv.has_pending() or self._pending is not None or self._restarted
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        try:
+            if self._restarted:
+                self._recompute_after_restart()
+            sched = self._pending or self.scheduler.schedule()
+            self._pending = sched
+            _drop_finished(sched)
+            timeout = self._timeout(sched)
+            self.kv.commit(timeout)
+            inp = sched.step
+            if not (inp.seqs or inp.swap_out or inp.swap_in or inp.copies or inp.finished):
+                self._pending, self.unavailable = None, None
+                if self.scheduler.has_unfinished() and not self.scheduler.running:
+                    raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
+                return []
+            result = self.model.step(inp, timeout)
+        except ModelRestarted as exc:
+            return self._on_restart(str(exc))
+        except (KVUnavailable, ModelUnavailable) as exc:
+            if self.unavailable is None:
+                logger.warning("step waits for a peer: %s", exc)
+            self.unavailable = str(exc)
+            return []
+        except KVOutOfSync as exc:
+            self._recompute_after_resync(str(exc))
+            return []
+        self._pending, self.unavailable = None, None
+        self.num_steps += 1
+        self.scheduler.update(sched)
+        return self._process(sched, result)
+
+    def _timeout(self, sched: SchedulerOutput) -> float | None:
+        """The time left of the latest client deadline among the step's requests (None when
+        one of them has none): the internal calls may not take longer than that."""
+        ids = [s.request.request_id for s in sched.scheduled]
+        if not ids or any(i not in self.deadlines for i in ids):
+            return None
+        return max(0.05, max(self.deadlines[i] for i in ids) - time.monotonic())
+
+    # ----------------------------------------------------------------- recovery
+    def _on_restart(self, why: str) -> list[RequestOutput]:
+        logger.warning("model service restarted (%s): recomputing", why)
+        self._pending, self._restarted = None, True
+        try:
+            self._recompute_after_restart()
+        except (KVUnavailable, ModelUnavailable) as exc:
+            self.unavailable = str(exc)
+        return []
+
+    def _recompute_after_restart(self) -> None:
+        """New epoch: its KV tensors are empty, so reset the pools (no stale prefix hits) and
+        feed every unfinished request again."""
+        self.model.connect(self.model.retry_window_s)  # ModelUnavailable: try again next step
+        self.kv.reset(pool_config(self.model, self.config.enable_prefix_caching))
+        self.scheduler.recompute_all()
+        self._restarted = False
+        self.num_recoveries += 1
+        self.kv.commit()
+
+    def _recompute_after_resync(self, why: str) -> None:
+        """The local KV copy was replaced by the service's: no request may keep blocks it
+        believes it has. The model side is intact, so finished sequences are still forgotten."""
+        logger.warning("KV-cache resync (%s): recomputing", why)
+        self._pending = None
+        forget = list(self.scheduler.pending_finished)
+        self.scheduler.recompute_all()
+        self.scheduler.pending_finished = forget
+        for seq_id in list(self.kv.seqs):
+            self.kv.free(seq_id)
+        self.num_recoveries += 1
+
+
+def _drop_finished(sched: SchedulerOutput) -> None:
+    """A step kept across a retry may hold requests aborted since: leave them out (their
+    blocks are freed by the abort; the model forgets them with the next step)."""
+    if all(not s.request.finished for s in sched.scheduled):
+        return
+    live = {s.request.request_id for s in sched.scheduled if not s.request.finished}
+    sched.scheduled = [s for s in sched.scheduled if s.request.request_id in live]
+    sched.step.seqs = [s for s in sched.step.seqs if s.seq_id in live]
+
+
+def build_service_engine(config: Any) -> ServiceEngine:
+    """Connect to the model and KV-cache services (waiting for them, bounded by the startup
+    timeout) and build the engine. `config` is a service_config.ServiceConfig."""
+    from kvcache_svc.client import GrpcTransport
+    from model_svc.loader import load_tokenizer
+
+    s = config.scheduler
+    model = RemoteModel(config.model.address, s.rpc_timeout_s, s.retry_window_s)
+    deadline = time.monotonic() + s.startup_timeout_s
+    model.connect(s.startup_timeout_s)
+    kv = KVClient(GrpcTransport(config.kvcache.address), s.retry_window_s, s.rpc_timeout_s)
+    while True:
+        try:
+            adopted = kv.connect(pool_config(model, s.enable_prefix_caching))
+            break
+        except KVUnavailable:
+            if time.monotonic() > deadline:
+                raise
+    if adopted:  # a previous scheduler's sequences: nobody will finish them
+        for seq_id in list(kv.seqs):
+            kv.free(seq_id)
+    kv.commit()
+    info = model.info
+    assert info is not None
+    engine_config = EngineConfig(
+        model=config.tokenizer, block_size=info.block_size, num_gpu_blocks=info.num_device_blocks,
+        enable_prefix_caching=s.enable_prefix_caching, enable_chunked_prefill=s.enable_chunked_prefill,
+        preemption_mode=s.preemption_mode, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+        max_model_len=s.max_model_len,
+    )
+    logger.info("connected: model %s (epoch %s, %d/%d blocks), kvcache %s (%s state)", info.model, info.epoch,
+                info.num_device_blocks, info.num_host_blocks, config.kvcache.address, "adopted" if adopted else "reset")
+    return ServiceEngine(engine_config, model, kv, load_tokenizer(config.tokenizer))

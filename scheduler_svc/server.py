@@ -1,0 +1,219 @@
+"""The scheduler gRPC service (picovllm.scheduler.v1): Generate (streamed), Abort, model info.
+
+A thin servicer: proto <-> domain at the boundary, AsyncLLM over a ServiceEngine behind it.
+Health is NOT_SERVING until both peers answered and the KV state is in sync; SIGTERM stops
+new requests, lets the in-flight ones finish (bounded), then stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
+from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.errors import InvalidArgument, NotFound, QueueFull, Unavailable
+from scheduler_svc.llm import AsyncLLM
+from scheduler_svc.metrics import SchedulerMetrics, StreamTimer
+from scheduler_svc.outputs import RequestOutput
+from scheduler_svc.rpc import start_server, stop_event
+from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.service_config import SchedulerSection, ServiceConfig
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "logprobs", "skip_special_tokens")
+
+
+# ----------------------------------------------------------------- proto <-> domain
+def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    kwargs: dict[str, Any] = {name: getattr(m, name) for name in _SAMPLING_FIELDS if m.HasField(name)}
+    return SamplingParams(stop=list(m.stop), stop_token_ids=list(m.stop_token_ids), ignore_eos=m.ignore_eos, **kwargs)
+
+
+def generate_from_pb(m: pb.GenerateRequest) -> tuple[str | list[int], SamplingParams, str, str | None]:
+    """(prompt, sampling, request id, cache salt); ValueError for what can never run."""
+    kind = m.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgument("a prompt is required (text or token_ids)")
+    prompt: str | list[int] = m.text if kind == "text" else list(m.token_ids.ids)
+    params = sampling_from_pb(m.sampling) if m.HasField("sampling") else SamplingParams()
+    return prompt, params, m.request_id or uuid.uuid4().hex, m.cache_salt or None
+
+
+def output_to_pb(out: RequestOutput) -> pb.GenerateResponse:
+    m = pb.GenerateResponse(request_id=out.request_id, token_ids=out.delta_token_ids, text=out.delta_text)
+    if out.logprobs is not None and out.delta_token_ids:
+        for token_id, entry in zip(out.delta_token_ids, out.logprobs[-len(out.delta_token_ids):]):
+            top = [pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in entry.items() if t != token_id]
+            m.logprobs.append(pb.GeneratedTokenLogprobs(token_id=token_id, logprob=entry.get(token_id, 0.0), top=top))
+    if out.finished:
+        m.finish_reason = _FINISH.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
+        if isinstance(out.stop_reason, str):
+            m.stop_string = out.stop_reason
+        elif isinstance(out.stop_reason, int):
+            m.stop_token_id = out.stop_reason
+        m.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                                  cached_tokens=out.num_cached_tokens))
+    return m
+
+
+def model_info_to_pb(engine: Any) -> pb.GetModelInfoResponse:
+    info = engine.model.info
+    return pb.GetModelInfoResponse(
+        model=info.model, family=info.config.family, vocab_size=info.config.vocab_size, max_model_len=engine.max_model_len,
+        block_size=info.block_size, num_device_blocks=info.num_device_blocks, num_host_blocks=info.num_host_blocks,
+        eos_token_ids=info.config.eos_token_ids, enable_prefix_caching=engine.config.enable_prefix_caching,
+    )
+
+
+# ----------------------------------------------------------------- servicer
+class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
+    def __init__(self, config: SchedulerSection, metrics: SchedulerMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.llm: AsyncLLM | None = None
+        self.active: set[str] = set()
+        self.draining = False
+
+    @property
+    def engine(self) -> Any:
+        return self.llm.engine if self.llm is not None else None
+
+    def _ready(self) -> AsyncLLM:
+        if self.draining:
+            raise Unavailable("the server is shutting down")
+        if self.llm is None:
+            raise Unavailable("the server is starting (waiting for the model and KV-cache services)")
+        return self.llm
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        llm = self._ready()
+        prompt, params, request_id, salt = generate_from_pb(request)
+        if request_id in self.active:
+            raise InvalidArgument(f"request_id {request_id!r} is already in use")
+        sched = self.engine.scheduler
+        if len(self.active) - len(sched.running) - len(sched.swapped) >= self.config.max_waiting:
+            raise QueueFull(f"{self.config.max_waiting} requests are already waiting")
+        remaining = context.time_remaining()
+        now = time.monotonic()
+        deadline = None if remaining is None else now + remaining
+        if deadline is not None:
+            self.engine.deadlines[request_id] = deadline
+        self.active.add(request_id)
+        timer = StreamTimer(self.metrics, now)
+        try:
+            async for out in self._stream(llm.generate(prompt, params, request_id, salt), deadline, request_id):
+                timer.on_output(time.monotonic(), len(out.delta_token_ids))
+                if out.finished:
+                    timer.on_finish(time.monotonic(), len(out.prompt_token_ids), out.finish_reason)
+                yield output_to_pb(out)
+        finally:
+            self.active.discard(request_id)
+            self.engine.deadlines.pop(request_id, None)
+
+    async def _stream(self, outputs: AsyncIterator[RequestOutput], deadline: float | None, request_id: str) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs; a little before the deadline, a request stuck behind a peer
+        that is down fails with UNAVAILABLE (a merely slow one runs into its deadline)."""
+        margin = 0.0 if deadline is None else min(0.25, 0.1 * max(0.0, deadline - time.monotonic()))
+        task: asyncio.Future | None = None
+        try:
+            while True:
+                task = asyncio.ensure_future(anext(outputs))
+                wait = None if deadline is None else max(0.0, deadline - margin - time.monotonic())
+                done, _ = await asyncio.wait({task}, timeout=wait)
+                if not done:
+                    why = self.engine.unavailable
+                    if why:
+                        raise Unavailable(f"request {request_id} cannot finish before its deadline: {why}")
+                    await asyncio.wait({task})
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    return
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+            await outputs.aclose()  # aborts the request if it is still running
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        llm = self._ready()
+        if request.request_id not in self.active:
+            raise NotFound(f"no running request {request.request_id!r}")
+        llm.abort(request.request_id)
+        return pb.AbortResponse()
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
+        if self.llm is None:
+            raise Unavailable("the server is starting")
+        return model_info_to_pb(self.engine)
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests; wait for the in-flight ones (bounded), then abort the rest."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active and self.llm is not None:
+            logger.warning("drain timeout: aborting %d requests", len(self.active))
+            for request_id in list(self.active):
+                self.llm.abort(request_id)
+            end = time.monotonic() + 5
+            while self.active and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+
+
+# ----------------------------------------------------------------- serve
+def _in_daemon_thread(fn, *args) -> asyncio.Future:
+    """Run a blocking call in a daemon thread (a start-up wait must not keep the process
+    alive after SIGTERM)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+        else:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+    threading.Thread(target=run, name="scheduler-start", daemon=True).start()
+    return fut
+
+
+async def serve(config: ServiceConfig) -> None:
+    from scheduler_svc.remote_engine import build_service_engine
+
+    s = config.scheduler
+    metrics = SchedulerMetrics(lambda: servicer.engine)
+    servicer = SchedulerServicer(s, metrics)
+    running = await start_server(s.address, [(pb_grpc.add_SchedulerServiceServicer_to_server, servicer, SERVICE_NAME)])
+    if s.metrics_port:
+        metrics.serve(s.metrics_port, s.address.rpartition(":")[0].strip("[]"))
+    stop = stop_event()
+    build = _in_daemon_thread(build_service_engine, config)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([build, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if build.done():
+        servicer.llm = AsyncLLM(build.result())
+        await running.set_serving(True)
+        logger.info("scheduler service ready on %s", s.address)
+        await stopped
+    await running.set_serving(False)
+    await servicer.drain(s.drain_timeout_s)
+    await running.server.stop(grace=2)
+    if servicer.llm is not None:
+        servicer.llm.shutdown()
