@@ -92,7 +92,9 @@ def environment() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "command": " ".join(["python"] + sys.argv),
+        # Absolute output paths (a scratch folder on the benchmark machine) read as the
+        # repository place the result is committed to.
+        "command": " ".join(["python"] + [f"bench/results/{Path(a).name}" if a.startswith("/") else a for a in sys.argv]),
     }
     try:
         import triton
@@ -105,6 +107,6 @@ def environment() -> dict:
 
 
 def write_result(path: str, title: str, env: dict, body: str) -> None:
-    header = [f"# {title}", "", *(f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()), ""]
+    header = [f"# {title}", "", *(f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()), "", ""]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(header) + body.rstrip() + "\n")
