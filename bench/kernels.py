@@ -250,8 +250,9 @@ def check_correctness(gen) -> list[dict]:
     return rows
 
 
-def decode_table(cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_budget_s: float) -> list[dict]:
-    rows = []
+def decode_table(cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_budget_s: float,
+                 rows: list[dict], on_row=lambda: None) -> list[dict]:
+    """Appends one row per (B, L) cell to rows, calling on_row after each."""
     flex_spent = 0.0
     for batch, seq_len in tqdm(cells, desc="decode cells", file=sys.stdout):
         kv_bytes = 2 * batch * seq_len * HKV * D * 2
@@ -272,6 +273,7 @@ def decode_table(cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_bu
                 flex_fn = flex_paged_decode_fn(q, k_cache, v_cache, block_tables, seq_lens)
                 row["flex_err"] = rel_err(flex_fn(), out)
                 row["flex_us"] = bench_ms(flex_fn, rep) * 1e3
+                del flex_fn
             except Exception as exc:  # report and carry on: one failing baseline must not end the run
                 row["flex_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
                 print(f"flex failed at B={batch} L={seq_len}: {row['flex_error']}")
@@ -291,6 +293,7 @@ def decode_table(cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_bu
         del k_contig, v_contig, q, out
         torch.cuda.empty_cache()
         rows.append(row)
+        on_row()
         tqdm.write(f"  B={batch:4d} L={seq_len:6d}: {row['us']:9.1f} us {row['tbs']:5.2f} TB/s "
                    f"{row['pct_copy']:5.1f}% copy  sdpa {row.get('sdpa_us', float('nan')):9.1f} us  "
                    f"flex {row.get('flex_us', float('nan')):9.1f} us", file=sys.stdout)
@@ -401,7 +404,8 @@ def render(meta, ceilings, checks, decode_rows, graph_us, sweep_rows, prefill_ro
     out += [f"- date: {meta['date']}", f"- GPU: {meta['gpu']} ({meta['sms']} SMs)",
             f"- torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}",
             f"- command: `{meta['command']}`", f"- wall time of the run: {meta['wall_s']:.0f} s", ""]
-    out += ["## Ceilings (measured in this run)", "",
+    assumed = " (not measured: BENCHMARKS.md values assumed)" if ceilings.get("assumed") else ""
+    out += [f"## Ceilings (measured in this run){assumed}", "",
             "| ceiling | value |", "| --- | --- |",
             f"| device-to-device copy, 2 GiB (bytes read + written) | {ceilings['copy_tbs']:.2f} TB/s |",
             f"| bf16 matmul 8192^3 | {ceilings['matmul_tflops']:.0f} TFLOP/s |", ""]
@@ -486,29 +490,43 @@ def main() -> int:
             "sms": props.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "command": " ".join(["python", "bench/kernels.py", *sys.argv[1:]])}
 
-    ceilings = run_section("ceilings", measure_ceilings, rep, default={"copy_tbs": 4.3, "matmul_tflops": 790.0})
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    results = {"ceilings": {"copy_tbs": float("nan"), "matmul_tflops": float("nan")}, "checks": [], "decode": [],
+               "graph_us": None, "sweep": [], "prefill": []}
+
+    def save() -> str:
+        """Rewrite the report after every section, so a run cut short still leaves one."""
+        meta["wall_s"] = time.perf_counter() - started
+        text = render(meta, results["ceilings"], results["checks"], results["decode"], results["graph_us"],
+                      results["sweep"], results["prefill"])
+        out_path.write_text(text)
+        return text
+
+    ceilings = run_section("ceilings", measure_ceilings, rep, default=None)
+    results["ceilings"] = ceilings or {"copy_tbs": 4.3, "matmul_tflops": 790.0, "assumed": True}
+    ceilings = results["ceilings"]
     print(f"copy {ceilings['copy_tbs']:.2f} TB/s, matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
-    checks = run_section("correctness", check_correctness, gen, default=[])
-    for r in checks:
+    results["checks"] = run_section("correctness", check_correctness, gen, default=[])
+    for r in results["checks"]:
         print(f"  {r['kernel']:26s} {r['case']:28s} rel err {r['err']:.2e} {'ok' if r['ok'] else 'FAILED'}")
+    save()
 
     batches = [1, 32, 256] if args.quick else BATCHES
     lengths = [1024, 8192] if args.quick else LENGTHS
     cells = [(b, n) for n in lengths for b in batches if 2 * b * n * HKV * D * 2 <= KV_LIMIT_BYTES]
-    decode_rows = run_section("decode table", decode_table, cells, ceilings["copy_tbs"], rep, gen,
-                              not args.no_flex, args.flex_budget_s, default=[])
-    graph_us = run_section("decode B=1 L=1k in a CUDA graph", decode_graph_us, 1, 1024, rep, gen)
+    run_section("decode table", decode_table, cells, ceilings["copy_tbs"], rep, gen, not args.no_flex,
+                args.flex_budget_s, results["decode"], save)
+    results["graph_us"] = run_section("decode B=1 L=1k in a CUDA graph", decode_graph_us, 1, 1024, rep, gen)
+    save()
     sweep_cells = [] if args.quick else [(1, 32768), (8, 32768), (32, 8192), (256, 1024), (1, 1024)]
-    sweep_rows = run_section("decode sweep", decode_sweep, sweep_cells, ceilings["copy_tbs"], rep, gen, default=[])
-    configs = [default_prefill_config(DTYPE, D)] + ([] if args.quick else
-                                                    [c for c in PREFILL_VARIANTS if c != default_prefill_config(DTYPE, D)])
-    prefill_rows = run_section("prefill", prefill_table, configs, rep, gen, ceilings["matmul_tflops"], default=[])
-
-    meta["wall_s"] = time.perf_counter() - started
-    report = render(meta, ceilings, checks, decode_rows or [], graph_us, sweep_rows or [], prefill_rows or [])
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(report)
+    results["sweep"] = run_section("decode sweep", decode_sweep, sweep_cells, ceilings["copy_tbs"], rep, gen, default=[])
+    save()
+    default_config = default_prefill_config(DTYPE, D)
+    configs = [default_config] + ([] if args.quick else [c for c in PREFILL_VARIANTS if c != default_config])
+    results["prefill"] = run_section("prefill", prefill_table, configs, rep, gen, ceilings["matmul_tflops"], default=[])
+    report = save()
+    checks = results["checks"]
     print()
     print(report)
     print(f"written to {args.out}")
