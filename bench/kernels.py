@@ -56,10 +56,9 @@ PROMPT, CACHED = 4096, 3072  # prefill: a 4k-token prompt, with 0 and with 3k to
 DEVICE = "cuda"
 BATCHES = [1, 8, 32, 128, 256]
 LENGTHS = [1024, 8192, 32768]
-DECODE_VARIANTS = [DecodeConfig(64, 4, 5), DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 5),
-                   DecodeConfig(32, 4, 7), DecodeConfig(64, 8, 5), DecodeConfig(128, 8, 5)]
-PREFILL_VARIANTS = [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 128, 8, 3),
-                    PrefillConfig(128, 32, 8, 3), PrefillConfig(64, 64, 4, 3)]
+DECODE_VARIANTS = [DecodeConfig(64, 4, 5), DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 7), DecodeConfig(64, 8, 5)]
+PREFILL_VARIANTS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 5),
+                    PrefillConfig(64, 128, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(64, 64, 4, 5)]
 
 
 def bench_ms(fn, rep: int) -> float:
@@ -83,6 +82,7 @@ def measure_ceilings(rep: int) -> dict:
     src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=DEVICE)
     dst = torch.empty_like(src)
     copy_ms = bench_ms(lambda: dst.copy_(src), rep)
+    read_ms = bench_ms(lambda: src.sum(dtype=torch.float32), rep)  # read-only, for context
     del src, dst
     n = 8192
     a = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
@@ -90,7 +90,8 @@ def measure_ceilings(rep: int) -> dict:
     mm_ms = bench_ms(lambda: a @ b, rep)
     del a, b
     torch.cuda.empty_cache()
-    return {"copy_tbs": 2 * nbytes / copy_ms / 1e9, "matmul_tflops": 2 * n**3 / mm_ms / 1e9}
+    return {"copy_tbs": 2 * nbytes / copy_ms / 1e9, "read_tbs": nbytes / read_ms / 1e9,
+            "matmul_tflops": 2 * n**3 / mm_ms / 1e9}
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -152,7 +153,8 @@ def compiled_flex():
         from torch.nn.attention.flex_attention import flex_attention
 
         torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-        _FLEX = torch.compile(flex_attention)
+        # Static shapes: flex only takes its decoding kernel when batch and heads are static.
+        _FLEX = torch.compile(flex_attention, dynamic=False)
     return _FLEX
 
 
@@ -262,7 +264,9 @@ def decode_table(cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_bu
         triton_fn = lambda: TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)  # noqa: E731
         out = triton_fn()
         t_ms = bench_ms(triton_fn, rep)
+        graph_ms = bench_ms(graph_of(triton_fn), rep)
         row = {"B": batch, "L": seq_len, "kv_gb": kv_bytes / 1e9, "us": t_ms * 1e3, "tbs": moved / t_ms / 1e9,
+               "graph_us": graph_ms * 1e3, "graph_pct": 100 * moved / graph_ms / 1e9 / copy_tbs,
                "splits": pick_num_splits(batch, HKV, block_tables.shape[1] * PAGE, device_num_sms(),
                                          default_decode_config(DTYPE, D).block_n)}
         row["pct_copy"] = 100 * row["tbs"] / copy_tbs
@@ -300,16 +304,30 @@ def decode_table(cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_bu
     return rows
 
 
-def decode_graph_us(batch: int, seq_len: int, rep: int, gen) -> float:
-    """The same decode call captured in a CUDA graph (as the engine runs decode): no launch gaps."""
-    k_cache, v_cache, block_tables, seq_lens = paged_cache(batch, seq_len, gen)
-    q = torch.randn((batch, HQ, D), dtype=DTYPE, device=DEVICE, generator=gen)
-    TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)
+def graph_of(fn):
+    """fn captured in a CUDA graph (as the engine runs decode); returns its replay. Timing the
+    replay leaves out the host's launch overhead and the gaps it causes between kernels."""
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)
-    return bench_ms(graph.replay, rep) * 1e3
+        fn()
+    return graph.replay
+
+
+def decode_host_us(batch: int, seq_len: int, gen, calls: int = 300) -> dict:
+    """Host time per eager decode call (no sync between calls), against its GPU time."""
+    k_cache, v_cache, block_tables, seq_lens = paged_cache(batch, seq_len, gen)
+    q = torch.randn((batch, HQ, D), dtype=DTYPE, device=DEVICE, generator=gen)
+    fn = lambda: TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)  # noqa: E731
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return {"B": batch, "L": seq_len, "host_us": host_us, "graph_us": bench_ms(graph_of(fn), 50) * 1e3}
 
 
 def decode_sweep(cells, copy_tbs: float, rep: int, gen) -> list[dict]:
@@ -399,7 +417,7 @@ def cfg_str(c) -> str:
     return f"{c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}"
 
 
-def render(meta, ceilings, checks, decode_rows, graph_us, sweep_rows, prefill_rows) -> str:
+def render(meta, ceilings, checks, decode_rows, host, sweep_rows, prefill_rows) -> str:
     out = [f"# Kernel benchmarks: {meta['gpu']}", ""]
     out += [f"- date: {meta['date']}", f"- GPU: {meta['gpu']} ({meta['sms']} SMs)",
             f"- torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}",
@@ -408,7 +426,8 @@ def render(meta, ceilings, checks, decode_rows, graph_us, sweep_rows, prefill_ro
     out += [f"## Ceilings (measured in this run){assumed}", "",
             "| ceiling | value |", "| --- | --- |",
             f"| device-to-device copy, 2 GiB (bytes read + written) | {ceilings['copy_tbs']:.2f} TB/s |",
-            f"| bf16 matmul 8192^3 | {ceilings['matmul_tflops']:.0f} TFLOP/s |", ""]
+            f"| bf16 matmul 8192^3 | {ceilings['matmul_tflops']:.0f} TFLOP/s |",
+            f"| (context) read-only: torch sum over 2 GiB bf16 | {fmt(ceilings.get('read_tbs'), '.2f')} TB/s |", ""]
     out += ["## Correctness at full size (bf16, against kernels.reference)", "",
             "| kernel | case | rel. error (norm) | ok |", "| --- | --- | --- | --- |"]
     out += [f"| {r['kernel']} | {r['case']} | {r['err']:.2e} | {'yes' if r['ok'] else 'NO'} |" for r in checks]
@@ -420,20 +439,24 @@ def render(meta, ceilings, checks, decode_rows, graph_us, sweep_rows, prefill_ro
             f"token once + q + out. SDPA: contiguous (B, Hkv, L, D) K/V, enable_gqa, backend `{backend}`. "
             "Flex: compiled flex_attention reading the same paged pool through a BlockMask "
             "(KV block = one page). Ratio columns: baseline time / Triton time (> 1: Triton faster).", "",
-            "| B | L | KV GB | splits | Triton µs | TB/s | % copy | SDPA µs | SDPA/Triton | Flex µs | Flex/Triton | err SDPA | err Flex |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "Triton graph µs: the same call replayed from a CUDA graph (no host launch gaps; how the engine "
+            "runs decode).", "",
+            "| B | L | KV GB | splits | Triton µs | TB/s | % copy | Triton graph µs | % copy (graph) | SDPA µs | SDPA/Triton | Flex µs | Flex/Triton | err SDPA | err Flex |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in decode_rows:
         sdpa_ratio = r["sdpa_us"] / r["us"] if "sdpa_us" in r else None
         flex_ratio = r["flex_us"] / r["us"] if "flex_us" in r else None
         out.append(
             f"| {r['B']} | {r['L']} | {r['kv_gb']:.2f} | {r['splits']} | {r['us']:.1f} | {r['tbs']:.2f} | {r['pct_copy']:.1f} | "
-            f"{fmt(r.get('sdpa_us'), '.1f')} | {fmt(sdpa_ratio, '.2f')} | {fmt(r.get('flex_us'), '.1f')} | {fmt(flex_ratio, '.2f')} | "
+            f"{r['graph_us']:.1f} | {r['graph_pct']:.1f} | {fmt(r.get('sdpa_us'), '.1f')} | {fmt(sdpa_ratio, '.2f')} | {fmt(r.get('flex_us'), '.1f')} | {fmt(flex_ratio, '.2f')} | "
             f"{fmt(r.get('sdpa_err'), '.1e')} | {fmt(r.get('flex_err'), '.1e')} |")
     errors = [f"- B={r['B']} L={r['L']}: {r[k]}" for r in decode_rows for k in ("sdpa_error", "flex_error") if k in r]
     if errors:
         out += ["", "Baseline errors:"] + errors
-    if graph_us is not None:
-        out += ["", f"B=1, L=1k inside a CUDA graph (replay, as the engine runs decode): {graph_us:.1f} µs"]
+    if host is not None:
+        out += ["", f"Host cost of one eager decode call at B={host['B']}, L={host['L']}: "
+                    f"{host['host_us']:.1f} µs of Python and launches, against {host['graph_us']:.1f} µs of GPU "
+                    "time (graph replay): below the host cost the eager figure measures the host."]
     out += [""]
     if sweep_rows:
         out += ["## Decode sweep: tile configs and split counts", "",
@@ -493,12 +516,12 @@ def main() -> int:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     results = {"ceilings": {"copy_tbs": float("nan"), "matmul_tflops": float("nan")}, "checks": [], "decode": [],
-               "graph_us": None, "sweep": [], "prefill": []}
+               "host": None, "sweep": [], "prefill": []}
 
     def save() -> str:
         """Rewrite the report after every section, so a run cut short still leaves one."""
         meta["wall_s"] = time.perf_counter() - started
-        text = render(meta, results["ceilings"], results["checks"], results["decode"], results["graph_us"],
+        text = render(meta, results["ceilings"], results["checks"], results["decode"], results["host"],
                       results["sweep"], results["prefill"])
         out_path.write_text(text)
         return text
@@ -517,7 +540,7 @@ def main() -> int:
     cells = [(b, n) for n in lengths for b in batches if 2 * b * n * HKV * D * 2 <= KV_LIMIT_BYTES]
     run_section("decode table", decode_table, cells, ceilings["copy_tbs"], rep, gen, not args.no_flex,
                 args.flex_budget_s, results["decode"], save)
-    results["graph_us"] = run_section("decode B=1 L=1k in a CUDA graph", decode_graph_us, 1, 1024, rep, gen)
+    results["host"] = run_section("decode host cost, B=1 L=1k", decode_host_us, 1, 1024, gen)
     save()
     sweep_cells = [] if args.quick else [(1, 32768), (8, 32768), (32, 8192), (256, 1024), (1, 1024)]
     results["sweep"] = run_section("decode sweep", decode_sweep, sweep_cells, ceilings["copy_tbs"], rep, gen, default=[])

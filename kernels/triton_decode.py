@@ -19,12 +19,22 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import cdiv, dot_precision, interpreting, load_rows, mma, next_pow2, num_sms, upcast_dot
+from kernels.triton_common import (
+    cdiv,
+    dot_precision,
+    interpreting,
+    load_rows,
+    mma,
+    next_pow2,
+    num_sms,
+    softmax_step,
+    upcast_dot,
+)
 
 LOG2E = 1.4426950408889634
 
 # Heuristic constants of pick_num_splits (see its docstring).
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 2
 MAX_SPLITS = 256
 
 
@@ -52,16 +62,21 @@ def pick_num_splits(
 ) -> int:
     """Number of KV splits per (sequence, KV head) for the decode kernel.
 
-    The decode kernel launches batch * num_kv_heads * num_splits programs. Memory bandwidth is
-    only reached when every SM holds a few programs with loads in flight, so the split count is
-    the smallest one giving about PROGRAMS_PER_SM (4) programs per SM:
+    The decode kernel launches batch * num_kv_heads * num_splits programs. The split count is
+    the one that brings that nearest to PROGRAMS_PER_SM (2) programs per SM:
 
-        num_splits = ceil(PROGRAMS_PER_SM * num_sms / (batch * num_kv_heads))
+        num_splits = round(PROGRAMS_PER_SM * num_sms / (batch * num_kv_heads))
 
-    clamped to [1, ceil(max_seq_len / block_n)] (a split smaller than one tile only adds
-    partial results to combine) and to MAX_SPLITS (256). On an H200 (132 SMs) with 8 KV heads:
-    B=1, L=32k -> 66 splits of about 512 tokens; B=1, L=1k -> 16 splits of one 64-token tile;
-    B=32 -> 3; B>=66 -> 1 (no combine kernel at all).
+    clamped to [1, ceil(max_seq_len / block_n)] (a split shorter than one tile only adds
+    partials to combine) and to MAX_SPLITS (256). Why two per SM: an SM holds three decode
+    programs at once (72 KB of shared memory each), each keeping two K/V tiles in flight,
+    which is enough to saturate memory; aiming at two leaves room for rounding up without a
+    second, mostly idle wave of programs. Measured on the H200 (bench/results/kernels_h200.md):
+    at B=1, L=32k, 264 programs ran 16% faster than 528; at B=8, L=32k, 256 ran 14% faster
+    than 576; at B=32, L=8k one split (256 programs) beat three.
+
+    On an H200 (132 SMs) with 8 KV heads: B=1 -> 33 splits (about 1k tokens each at L=32k;
+    16 one-tile splits at L=1k); B=8 -> 4; B=16 -> 2; B>=32 -> 1 (no combine kernel at all).
 
     max_seq_len may be an upper bound (the decode wrapper passes block_tables.shape[1] *
     block_size, known on the host without a device sync, so the choice is CUDA-graph safe);
@@ -69,7 +84,7 @@ def pick_num_splits(
     last splits empty.
     """
     num_programs = max(1, batch * num_kv_heads)
-    splits = cdiv(PROGRAMS_PER_SM * num_sms, num_programs)
+    splits = int(PROGRAMS_PER_SM * num_sms / num_programs + 0.5)
     splits = min(splits, cdiv(max(1, max_seq_len), block_n), MAX_SPLITS)
     return max(1, splits)
 
@@ -125,16 +140,12 @@ def _decode_split_kernel(
         slot = tok % PAGE
         k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
                       t_mask, d_mask, True, D_MASK)  # (BLOCK_N, BLOCK_D)
-        s = mma(q, tl.trans(k), PRECISION, UPCAST) * scale_log2  # (GROUP_PAD, BLOCK_N)
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (GROUP_PAD, BLOCK_N)
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
         v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
                       t_mask, d_mask, True, D_MASK)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION, UPCAST)
-        m_i = m_new
 
     if DIRECT:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # seq_len 0 (padding rows): zeros

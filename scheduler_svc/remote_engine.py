@@ -78,6 +78,9 @@ class ServiceEngine(LLMEngine):
         except KVOutOfSync as exc:
             self._recompute_after_resync(str(exc))
             return []
+        except Exception:  # unexpected (the front end fails the open streams): do not retry it
+            self._pending = None
+            raise
         self._pending, self.unavailable = None, None
         self.num_steps += 1
         self.scheduler.update(sched)
@@ -86,10 +89,10 @@ class ServiceEngine(LLMEngine):
     def _timeout(self, sched: SchedulerOutput) -> float | None:
         """The time left of the latest client deadline among the step's requests (None when
         one of them has none): the internal calls may not take longer than that."""
-        ids = [s.request.request_id for s in sched.scheduled]
-        if not ids or any(i not in self.deadlines for i in ids):
+        deadlines = [self.deadlines.get(s.request.request_id) for s in sched.scheduled]  # the front end edits the dict
+        if not deadlines or any(d is None for d in deadlines):
             return None
-        return max(0.05, max(self.deadlines[i] for i in ids) - time.monotonic())
+        return max(0.05, max(deadlines) - time.monotonic())
 
     # ----------------------------------------------------------------- recovery
     def _on_restart(self, why: str) -> list[RequestOutput]:
@@ -152,9 +155,9 @@ def build_service_engine(config: Any) -> ServiceEngine:
         except KVUnavailable:
             if time.monotonic() > deadline:
                 raise
-    if adopted:  # a previous scheduler's sequences: nobody will finish them
-        for seq_id in list(kv.seqs):
-            kv.free(seq_id)
+    leftover = list(kv.seqs) if adopted else []  # a previous scheduler's sequences: nobody will finish them
+    for seq_id in leftover:
+        kv.free(seq_id)
     kv.commit()
     info = model.info
     assert info is not None
@@ -166,4 +169,6 @@ def build_service_engine(config: Any) -> ServiceEngine:
     )
     logger.info("connected: model %s (epoch %s, %d/%d blocks), kvcache %s (%s state)", info.model, info.epoch,
                 info.num_device_blocks, info.num_host_blocks, config.kvcache.address, "adopted" if adopted else "reset")
-    return ServiceEngine(engine_config, model, kv, load_tokenizer(config.tokenizer))
+    engine = ServiceEngine(engine_config, model, kv, load_tokenizer(config.tokenizer))
+    engine.scheduler.pending_finished.extend(leftover)  # the model service forgets them with the first step
+    return engine
