@@ -65,6 +65,7 @@ def run_embedded(args, prompts, params):
     config = EngineConfig(
         model=path, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
+        num_scheduler_steps=args.num_scheduler_steps,
     )
     llm = LLM.from_engine(LLMEngine(config, model=runner))
     return llm, runner
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
     ap.add_argument("--check", action="store_true", help="first check greedy parity of the optimized path vs the plain one")
     ap.add_argument("--out", default=None, help="write a markdown result here")
     args = ap.parse_args()
@@ -120,7 +122,8 @@ def main() -> None:
         f"| {args.mode} | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | {stats.num_steps} | {stats.num_preemptions} |",
         "",
         f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s, "
-        f"device blocks {runner.num_device_blocks}, kernels {runner.ops.name}, cuda graphs {not args.enforce_eager}",
+        f"device blocks {runner.num_device_blocks}, kernels {runner.ops.name}, cuda graphs {not args.enforce_eager}, "
+        f"scheduler steps {args.num_scheduler_steps}",
     ]
     if parity:
         lines += ["", "Greedy parity, optimized vs plain path (first 32 tokens, 8 prompts):", *(f"- {r}" for r in parity)]

@@ -133,14 +133,44 @@ class ModelRunner:
         for s in inp.seqs:
             self._update_seq(s)
         input_ids, positions, meta, sample_rows = self._prepare(inp.seqs)
-        if self.graphs is not None and meta.is_decode and self.graphs.can_run(len(inp.seqs), meta.block_tables.shape[1]):
-            hidden = self.graphs.run(input_ids, positions, meta)
-        else:
-            hidden = self.model(input_ids, positions, self.pools.layer_caches, meta)
+        if inp.num_steps > 1:
+            return self._multi_step(inp, input_ids, positions, meta)
+        hidden = self._forward(input_ids, positions, meta)
         if not sample_rows:
             return StepOutput()
         logits = self.model.compute_logits(hidden[torch.tensor([r for r, _ in sample_rows], device=self.device)])
         return self._sample(logits, [s for _, s in sample_rows])
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.graphs is not None and meta.is_decode and self.graphs.can_run(input_ids.shape[0], meta.block_tables.shape[1]):
+            return self.graphs.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.pools.layer_caches, meta)
+
+    def _multi_step(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> StepOutput:
+        """num_steps decode steps back to back: each feeds the tokens the previous one sampled,
+        with positions, slots and lengths advanced on the device; one host sync at the end.
+        The scheduler has reserved the blocks of every sub-step."""
+        if not meta.is_decode or not all(s.sample for s in inp.seqs):
+            raise ValueError("multi-step runs only decode-only batches that sample every sequence")
+        states = [self.seqs[s.seq_id] for s in inp.seqs]
+        batch = SamplingBatch.build([st.sampling for st in states], None, None, [st.generator for st in states], self.device)
+        bs = self.block_size
+        sampled = []
+        for k in range(inp.num_steps):
+            hidden = self._forward(input_ids, positions, meta)
+            input_ids = self.sampler(self.model.compute_logits(hidden), batch).token_ids  # (B,)
+            sampled.append(input_ids)
+            if k + 1 < inp.num_steps:
+                positions = positions + 1
+                block = meta.block_tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1).long()
+                meta = AttentionMetadata(
+                    slot_mapping=block * bs + positions % bs, block_tables=meta.block_tables, seq_lens=meta.seq_lens + 1,
+                    cu_seqlens_q=meta.cu_seqlens_q, is_decode=True, max_seq_len=meta.max_seq_len + 1,
+                )
+        tokens = torch.stack(sampled, dim=1).tolist()  # (B, num_steps)
+        for st, toks in zip(states, tokens):
+            st.token_ids.extend(toks[:-1])  # fed by sub-steps 2..num_steps
+        return StepOutput([SampledToken(s.seq_id, toks[0], extra_token_ids=toks[1:]) for s, toks in zip(inp.seqs, tokens)])
 
     def _update_seq(self, s: SeqStep) -> None:
         state = self.seqs.get(s.seq_id)

@@ -30,6 +30,9 @@ class StepInput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
     finished: list[str] = field(default_factory=list)  # forget these sequences
+    # Decode sub-steps to run back to back on the device, each feeding the token the last one
+    # sampled (multi-step scheduling; only for decode-only batches whose blocks are reserved).
+    num_steps: int = 1
 
 
 @dataclass(slots=True)
@@ -38,6 +41,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    extra_token_ids: list[int] = field(default_factory=list)  # sub-steps 2..num_steps
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ class EngineConfig:
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     kernel_backend: str | None = None  # None: triton on cuda, torch otherwise
     enforce_eager: bool = False  # True: no CUDA graphs
+    num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps per schedule
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks)
 
     def __post_init__(self) -> None:
@@ -46,6 +47,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in (None, "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):

@@ -73,17 +73,20 @@ class LLMEngine:
         # Service mode passes a KV-cache client with the manager's interface (kvcache_svc.client).
         self.kv = kv if kv is not None else KVCacheManager(model.num_device_blocks, model.num_host_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.enable_chunked_prefill), self.kv
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.enable_chunked_prefill,
+                            config.num_scheduler_steps, self._max_model_len(model, config)), self.kv
         )
-        self.max_model_len = min(self.model_config.max_position_embeddings, model.num_device_blocks * config.block_size)
-        if config.max_model_len is not None:
-            self.max_model_len = min(self.max_model_len, config.max_model_len)
+        self.max_model_len = self.scheduler.config.max_model_len
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
         self._detokenizers: dict[bool, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.stream_outputs = True  # False: step() returns finished requests only (offline use)
+
+    def _max_model_len(self, model, config: EngineConfig) -> int:
+        limit = min(self.model_config.max_position_embeddings, model.num_device_blocks * config.block_size)
+        return limit if config.max_model_len is None else min(limit, config.max_model_len)
 
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -140,8 +143,9 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
             return []
         result = self.model.step(inp)
-        self.scheduler.update(sched)
-        return self._process(sched, result)
+        outputs = self._process(sched, result)
+        self.scheduler.update(sched)  # after the tokens fed by multi-step sub-steps are appended
+        return outputs
 
     def _process(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         sampled = {t.seq_id: t for t in result.sampled}
@@ -154,10 +158,13 @@ class LLMEngine:
             token = sampled[req.request_id]
             if req.first_token_time is None:
                 req.first_token_time = now
-            req.token_ids.append(token.token_id)
             if req.sampling.logprobs is not None and token.logprob is not None:
                 req.logprobs.append((token.logprob, token.top_logprobs or []))
-            self._check_stop(req)
+            for token_id in (token.token_id, *token.extra_token_ids):
+                req.token_ids.append(token_id)
+                self._check_stop(req)
+                if req.finished:  # tokens sampled past a stop are dropped
+                    break
             if self.stream_outputs or req.finished:
                 outputs.append(self._output(req))
         return outputs

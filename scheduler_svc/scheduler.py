@@ -28,12 +28,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     preemption_mode: str = "swap"  # "swap" | "recompute"
     enable_chunked_prefill: bool = True
+    num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps per schedule
+    max_model_len: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.preemption_mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
 
@@ -61,6 +65,12 @@ class SchedulerStats:
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     num_steps: int = 0
+
+
+def _needs_single_step(req: Request) -> bool:
+    """Penalties need the history updated per token, logprobs are returned per step."""
+    p = req.sampling
+    return p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 class Scheduler:
@@ -129,9 +139,47 @@ class Scheduler:
             budget = self._swap_in(out, budget)
         if not self.swapped and not preempted:
             self._admit(out, budget)
+        if self.config.num_scheduler_steps > 1 and not preempted:
+            self._reserve_multi_step(out)
         out.step.finished, self.pending_finished = self.pending_finished, []
         self.stats.num_steps += 1
         return out
+
+    def _reserve_multi_step(self, out: SchedulerOutput) -> None:
+        """A decode-only batch with nobody else waiting runs several steps per schedule: the
+        device feeds each sampled token back itself, and the host work of scheduling and
+        output processing is paid once per `num_steps` tokens. Blocks for every sub-step are
+        reserved now; stop strings and EOS are checked afterwards (tokens past a stop are
+        dropped)."""
+        if self.waiting or self.swapped or not out.scheduled or out.step.swap_in:
+            return
+        if any(s.num_new_tokens != 1 or not s.sample or _needs_single_step(s.request) for s in out.scheduled):
+            return
+        steps = self.config.num_scheduler_steps
+        for s in out.scheduled:
+            req = s.request
+            steps = min(steps, req.sampling.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens)
+        if steps < 2:
+            return
+        needed = sum(max(0, self.kv.num_blocks_for(s.request.num_computed_tokens + steps) - len(self.kv.block_table(s.request.request_id)))
+                     for s in out.scheduled)
+        if needed > self.kv.num_free_blocks():
+            return
+        for s in out.scheduled:
+            req = s.request
+            result = self.kv.append_slots(req.request_id, req.num_computed_tokens, steps)
+            assert not isinstance(result, NoFreeBlocks) and not result.copies, "reserved blocks were counted"
+        out.step.num_steps = steps
+        self._resend_table_tails(out)
+
+    def _resend_table_tails(self, out: SchedulerOutput) -> None:
+        for seq, s in zip(out.step.seqs, out.scheduled):
+            req = s.request
+            table = self.kv.block_table(req.request_id)
+            if len(table) > len(req.sent_table):
+                start = seq.table_start if seq.table_blocks is not None else len(req.sent_table)
+                seq.table_start, seq.table_blocks = start, table[start:]
+                req.sent_table = list(table)
 
     def _schedule_seq(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
@@ -231,5 +279,5 @@ class Scheduler:
             req = s.request
             if req.finished:
                 continue
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += s.num_new_tokens + out.step.num_steps - 1
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)

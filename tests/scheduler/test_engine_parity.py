@@ -106,7 +106,8 @@ def test_tiny_models_one_batch(tiny):
 
 def test_tiny_models_chunked_prefill(tiny):
     path, prompts, ref = tiny
-    llm = LLM(path, num_gpu_blocks=512, max_num_batched_tokens=40)  # prompts split across steps
+    # Prompts split across steps; decode-only phases run 4 steps per schedule.
+    llm = LLM(path, num_gpu_blocks=512, max_num_batched_tokens=40, num_scheduler_steps=4)
     outs = llm.generate(prompts, GREEDY)
     assert_matches_hf([o.token_ids for o in outs], ref)
     assert_clean(llm)
