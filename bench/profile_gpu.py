@@ -57,10 +57,19 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile the graph decode steps")
+    ap.add_argument("--skip-eager", action="store_true")
     args = ap.parse_args()
     dev = args.device
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     per_seq = -(-(args.context + 64) // 16)
+    if not args.skip_eager:
+        eager_profile(args, dev, per_seq, sync)
+    _, fast = build_runner(args.model, dev, None, num_device_blocks=args.batch * per_seq + 16, max_num_seqs=args.batch)
+    graph_steps(args, fast, sync)
+
+
+def eager_profile(args, dev, per_seq, sync) -> None:
     _, eager = build_runner(args.model, dev, None, num_device_blocks=args.batch * per_seq + 16, enforce_eager=True, max_num_seqs=args.batch)
     steps = setup_decode(eager, args.batch, args.context, args.temperature)
     steps = decode_steps(eager, steps, 3)
@@ -72,7 +81,8 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total" if dev == "cuda" else "cpu_time_total", row_limit=args.rows))
     del eager, steps
 
-    _, fast = build_runner(args.model, dev, None, num_device_blocks=args.batch * per_seq + 16, max_num_seqs=args.batch)
+
+def graph_steps(args, fast, sync) -> None:
     for batch in (args.batch, 1):
         steps = setup_decode(fast, batch, args.context if batch > 1 else 512, args.temperature)
         steps = decode_steps(fast, steps, 3)
@@ -83,6 +93,16 @@ def main() -> None:
         sync()
         ms = (time.perf_counter() - t) / n * 1e3
         print(f"graph decode step, batch {batch}: {ms:.3f} ms/step wall (host included)")
+        if args.host_profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            steps = decode_steps(fast, steps, 10)
+            sync()
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumtime").print_stats(18)
         for s in steps:
             fast.seqs.pop(s.seq_id, None)
 

@@ -17,6 +17,8 @@ The RPC overhead of a step is ApplyStep's time plus (remote Step time - local mo
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import random
 import shutil
 import socket
@@ -189,6 +191,8 @@ def versions() -> dict[str, str]:
     from bench.common import environment
 
     env = environment()
+    env.pop("triton", None)
+    env["device"] = f"CPU only: {os.cpu_count()} cores ({platform.machine()}); every process on the CPU"
     env.update(grpcio=grpc.__version__, protobuf=google.protobuf.__version__, torch_threads="1 (every process)")
     try:
         import redis
@@ -204,8 +208,8 @@ def versions() -> dict[str, str]:
 
 def row(name: str, r: dict, tokens: int, base: dict) -> str:
     tok_s = tokens / r["seconds"]
-    ms = 1e3 * r["seconds"] / r["steps"] if "steps" in r else float("nan")
-    return f"| {name} | {r['seconds']:.2f} | {tok_s:,.0f} | {tok_s / (tokens / base['seconds']):.0%} | {r.get('steps', '-')} | {ms:.2f} |"
+    ms = f"{1e3 * r['seconds'] / r['steps']:.2f}" if "steps" in r else "-"
+    return f"| {name} | {r['seconds']:.2f} | {tok_s:,.0f} | {tok_s / (tokens / base['seconds']):.0%} | {r.get('steps', '-')} | {ms} |"
 
 
 def main() -> None:
@@ -258,8 +262,8 @@ def main() -> None:
             lines.append(f"| {name.split('(')[1].split()[0]} | {r['apply_ms']:.3f} | {r['step_ms']:.3f} | {base['model_ms']:.3f} "
                          f"| {r['empty_step_ms']:.3f} | {overhead:.3f} |")
     lines += ["", "RPC overhead = ApplyStep + remote Step - local model time (the KV ops on the scheduler's local copy "
-              "cost the same in both modes). Timings are medians of the runs but share two CPU cores with the services, "
-              "so compare them as ratios within one run."]
+              "cost the same in both modes). Each figure is from the median of the runs; the services share the machine's "
+              "cores with the benchmark, so compare figures as ratios within one run."]
     body = "\n".join(lines)
     print(body)
     if args.out:

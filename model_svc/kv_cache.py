@@ -7,6 +7,7 @@ is pinned when CUDA is present, so swaps are asynchronous DMA.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -62,3 +63,31 @@ class KVCachePools:
     def _index(pairs: list[tuple[int, int]], src_device: torch.device, dst_device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         src, dst = zip(*pairs)
         return torch.tensor(src, device=src_device), torch.tensor(dst, device=dst_device)
+
+
+class HostBlockTables:
+    """Every live sequence's block table as one row of a host int32 array, updated by the
+    diffs the scheduler sends, so building a step's tables is one gather, not a Python loop
+    over every block of every sequence."""
+
+    def __init__(self, max_blocks_per_seq: int, capacity: int = 64) -> None:
+        self.table = np.zeros((capacity, max_blocks_per_seq), dtype=np.int32)
+        self.free_rows = list(range(capacity - 1, -1, -1))
+
+    def acquire(self) -> int:
+        if not self.free_rows:
+            old = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self.free_rows.pop()
+
+    def release(self, row: int) -> None:
+        self.free_rows.append(row)
+
+    def write(self, row: int, start: int, block_ids: list[int]) -> None:
+        if start + len(block_ids) > self.table.shape[1]:
+            raise ValueError(f"block table of {start + len(block_ids)} blocks exceeds the limit of {self.table.shape[1]}")
+        self.table[row, start : start + len(block_ids)] = block_ids
+
+    def rows(self, rows: list[int], width: int) -> np.ndarray:
+        return self.table[rows, :width]  # (B, width) copy

@@ -10,11 +10,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from kernels import select_ops
 from model_svc.attention_metadata import AttentionMetadata
-from model_svc.kv_cache import KVCachePools
+from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.loader import load_model
 from model_svc.sampler import Sampler, SamplingBatch
 from model_svc.step import SampledToken, SeqStep, StepInput, StepOutput
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 class _SeqState:
     sampling: Any
     num_prompt_tokens: int
-    block_table: list[int] = field(default_factory=list)
+    row: int = -1  # this sequence's row in the persistent block table
+    num_blocks: int = 0
     token_ids: list[int] = field(default_factory=list)  # every token fed, by position
     generator: torch.Generator | None = None
 
@@ -70,6 +72,8 @@ class ModelRunner:
             num_host_blocks = num_host_blocks(num_device_blocks, KVCachePools.bytes_per_block(self.config, block_size, self.dtype))
         self.pools = KVCachePools(self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype)
         self.sampler = Sampler()
+        max_len = min(self.config.max_position_embeddings, num_device_blocks * block_size)
+        self.block_tables = HostBlockTables(-(-max_len // block_size))
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
             from model_svc.cuda_graphs import DecodeGraphs
@@ -122,7 +126,9 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, inp: StepInput) -> StepOutput:
         for seq_id in inp.finished:
-            self.seqs.pop(seq_id, None)
+            state = self.seqs.pop(seq_id, None)
+            if state is not None:
+                self.block_tables.release(state.row)
         # Swap-outs first: a block they free may be the target of a copy, swap-in or write;
         # copies before swap-ins: a copy's source may have been freed and handed out again.
         self.pools.swap_out(inp.swap_out)
@@ -183,54 +189,60 @@ class ModelRunner:
                     gen = torch.Generator(device=self.device)
                     gen.manual_seed(s.sampling.seed)
                 prompt = list(s.prompt_token_ids or [])
-                state = _SeqState(s.sampling, len(prompt), token_ids=prompt, generator=gen)
+                state = _SeqState(s.sampling, len(prompt), token_ids=prompt, generator=gen, row=self.block_tables.acquire())
                 self.seqs[s.seq_id] = state
         if s.table_blocks is not None:
-            del state.block_table[s.table_start:]
-            state.block_table.extend(s.table_blocks)
+            self.block_tables.write(state.row, s.table_start, s.table_blocks)
+            state.num_blocks = s.table_start + len(s.table_blocks)
         end = s.start_pos + len(s.token_ids)
         del state.token_ids[s.start_pos:]
         if len(state.token_ids) < s.start_pos:  # history unknown (restart): pad, positions matter
             state.token_ids.extend([-1] * (s.start_pos - len(state.token_ids)))
         state.token_ids.extend(s.token_ids)
-        if end > len(state.block_table) * self.block_size:
-            raise ValueError(f"sequence {s.seq_id!r}: {end} tokens but only {len(state.block_table)} blocks")
+        if end > state.num_blocks * self.block_size:
+            raise ValueError(f"sequence {s.seq_id!r}: {end} tokens but only {state.num_blocks} blocks")
 
     def _prepare(self, seqs: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, SeqStep]]]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        seq_index: list[int] = []
-        cu = [0]
-        seq_lens = []
-        sample_rows = []
-        for b, s in enumerate(seqs):
-            n = len(s.token_ids)
-            input_ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.start_pos + n))
-            seq_index.extend([b] * n)
-            cu.append(cu[-1] + n)
-            seq_lens.append(s.start_pos + n)
-            if s.sample:
-                sample_rows.append((cu[-1] - 1, s))
-        tables = [self.seqs[s.seq_id].block_table for s in seqs]
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        """Flatten the batch. Block tables come from the persistent host table (rows updated
+        by diffs), and every per-token and per-sequence array travels in one host-to-device
+        copy."""
+        num_seqs = len(seqs)
+        lens = [len(s.token_ids) for s in seqs]
+        num_tokens = sum(lens)
+        packed = np.empty(3 * num_tokens + 2 * num_seqs + 1, dtype=np.int64)
+        ids, pos, seq_index = packed[:num_tokens], packed[num_tokens : 2 * num_tokens], packed[2 * num_tokens : 3 * num_tokens]
+        seq_lens, cu = packed[3 * num_tokens : 3 * num_tokens + num_seqs], packed[3 * num_tokens + num_seqs :]
+        if num_tokens == num_seqs:  # decode: one token each
+            ids[:] = [s.token_ids[0] for s in seqs]
+            pos[:] = [s.start_pos for s in seqs]
+            seq_index[:] = np.arange(num_seqs)
+        else:
+            ids[:] = [t for s in seqs for t in s.token_ids]
+            pos[:] = np.concatenate([np.arange(s.start_pos, s.start_pos + n) for s, n in zip(seqs, lens)])
+            seq_index[:] = np.repeat(np.arange(num_seqs), lens)
+        seq_lens[:] = [s.start_pos + n for s, n in zip(seqs, lens)]
+        cu[0] = 0
+        np.cumsum(lens, out=cu[1:])
+        sample_rows = [(int(cu[b + 1]) - 1, s) for b, s in enumerate(seqs) if s.sample]
+        states = [self.seqs[s.seq_id] for s in seqs]
+        width = max(st.num_blocks for st in states)
+        tables = self.block_tables.rows([st.row for st in states], width)
         dev = self.device
-        block_tables = torch.tensor(padded, dtype=torch.int32).to(dev, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
-        idx = torch.tensor(seq_index, dtype=torch.long).to(dev, non_blocking=True)
+        packed_dev = torch.from_numpy(packed).to(dev, non_blocking=True)
+        block_tables = torch.from_numpy(tables).to(dev, non_blocking=True)
+        t = num_tokens
+        ids_dev, pos_dev, idx_dev = packed_dev[:t], packed_dev[t : 2 * t], packed_dev[2 * t : 3 * t]
         bs = self.block_size
-        slot_mapping = block_tables[idx, pos // bs].long() * bs + pos % bs
+        slot_mapping = block_tables[idx_dev, pos_dev // bs].long() * bs + pos_dev % bs
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
-            is_decode=cu[-1] == len(seqs),
-            max_seq_len=max(seq_lens),
+            seq_lens=packed_dev[3 * t : 3 * t + num_seqs].to(torch.int32),
+            cu_seqlens_q=packed_dev[3 * t + num_seqs :].to(torch.int32),
+            is_decode=num_tokens == num_seqs,
+            max_seq_len=int(seq_lens.max()),
         )
-        ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
-        return ids, pos, meta, sample_rows
+        return ids_dev, pos_dev, meta, sample_rows
 
     def _sample(self, logits: torch.Tensor, seqs: list[SeqStep]) -> StepOutput:
         states = [self.seqs[s.seq_id] for s in seqs]

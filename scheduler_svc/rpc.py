@@ -1,6 +1,9 @@
 """What the three gRPC servers share: an aio server with the error interceptor, grpc.health.v1
 health (NOT_SERVING until the service says it is ready), server reflection, stop signals,
-and the channel options of the internal clients."""
+and the channel options and retry loop of the internal clients.
+
+grpcio-health-checking and grpcio-reflection are used when installed; without them health
+falls back to scheduler_svc.health (same protocol) and reflection is off, with a warning."""
 
 from __future__ import annotations
 
@@ -13,9 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from scheduler_svc import health as health_fallback
 from scheduler_svc.errors import ErrorInterceptor, error_from_rpc
 
 logger = logging.getLogger(__name__)
@@ -34,14 +36,35 @@ CHANNEL_OPTIONS = SERVER_OPTIONS + [
 @dataclass(slots=True)
 class RunningServer:
     server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: Any  # grpc_health's aio HealthServicer, or the fallback (same `set`)
     service_names: tuple[str, ...]
     port: int
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = health_fallback.SERVING if serving else health_fallback.NOT_SERVING  # the proto's enum numbers
         for name in ("",) + self.service_names:
             await self.health.set(name, status)
+
+
+def _add_health(server: grpc.aio.Server) -> Any:
+    try:
+        from grpc_health.v1 import health, health_pb2_grpc
+    except ImportError:  # grpcio-health-checking not installed: same protocol, our servicer
+        servicer = health_fallback.FallbackHealthServicer()
+        servicer.add_to_server(server)
+        return servicer
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+def _add_reflection(server: grpc.aio.Server, names: tuple[str, ...]) -> None:
+    try:
+        from grpc_reflection.v1alpha import reflection
+    except ImportError:
+        logger.warning("server reflection is off: grpcio-reflection is not installed")
+        return
+    reflection.enable_server_reflection(names + (health_fallback.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
 
 async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]]) -> RunningServer:
@@ -50,10 +73,9 @@ async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grp
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
     for add, servicer, _ in services:
         add(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = _add_health(server)
     names = tuple(name for _, _, name in services)
-    reflection.enable_server_reflection(names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    _add_reflection(server, names)
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
@@ -80,10 +102,9 @@ def check_health(address: str, service: str = "", timeout: float = 1.0) -> bool:
     """True when the server at `address` answers SERVING for `service`."""
     with grpc.insecure_channel(address) as channel:
         try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            return health_fallback.check(channel, service, timeout) == health_fallback.SERVING
         except grpc.RpcError:
             return False
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
 # ----------------------------------------------------------------- internal clients

@@ -14,17 +14,29 @@ import numpy as np  # noqa: E402
 PAGED, CONTIG = "#1f77b4", "#d62728"
 
 
+def _clean(x):
+    """NaN/inf (no data, e.g. a step with nothing allocated) become null: strict JSON."""
+    if isinstance(x, float):
+        return x if np.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
 def write_json(out_dir, name: str, result: dict) -> Path:
+    result = _clean(result)
     path = Path(out_dir) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
     return path
 
 
 def _save(fig, out_dir, name: str) -> Path:
     path = Path(out_dir) / f"{name}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -46,8 +58,9 @@ def plot_memory(r: dict, out_dir) -> Path:
 
     ax = axes[1]
     steps = np.arange(len(frag["paged_per_step"]))
-    ax.plot(steps, frag["contiguous_per_step"], color=CONTIG, label=f"contiguous (mean {frag['contiguous_mean']:.1%})")
-    ax.plot(steps, frag["paged_per_step"], color=PAGED, label=f"paged (mean {frag['paged_mean']:.1%})")
+    nan = lambda xs: [np.nan if x is None else x for x in xs]  # noqa: E731
+    ax.plot(steps, nan(frag["contiguous_per_step"]), color=CONTIG, label=f"contiguous (mean {frag['contiguous_mean']:.1%})")
+    ax.plot(steps, nan(frag["paged_per_step"]), color=PAGED, label=f"paged (mean {frag['paged_mean']:.1%})")
     ax.set_ylim(0, 1)
     ax.set_xlabel("engine step")
     ax.set_ylabel("1 - used slots / allocated slots")
@@ -57,7 +70,7 @@ def plot_memory(r: dict, out_dir) -> Path:
     ax2.set_ylabel("resident requests", color="gray")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="center right", fontsize=8)
+    ax.legend(h1 + h2, l1 + l2, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=8)
 
     ax = axes[2]
     b = r["kv_bytes_per_request"]
@@ -76,12 +89,17 @@ def plot_memory(r: dict, out_dir) -> Path:
 
 
 def plot_heatmap(m: np.ndarray, r: dict, out_dir) -> Path:
-    fig, ax = plt.subplots(figsize=(11, 7))
-    cmap = plt.get_cmap("magma_r").copy()
-    cmap.set_under("white")
-    im = ax.imshow(m, aspect="auto", origin="lower", interpolation="nearest", cmap=cmap, vmin=0.5, vmax=max(1, r["block_size"]))
-    cb = fig.colorbar(im, ax=ax, extend="min")
-    cb.set_label("tokens written into the block in the step (white = none)")
+    from matplotlib.colors import LogNorm
+
+    # At least one pixel row per step, so single-token decode writes are not dropped.
+    fig, ax = plt.subplots(figsize=(11, max(7.0, 1.15 * m.shape[0] / 100)), dpi=100)
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")
+    im = ax.imshow(np.ma.masked_equal(m, 0), aspect="auto", origin="lower", interpolation="nearest", cmap=cmap,
+                   norm=LogNorm(vmin=1, vmax=max(2, r["block_size"])))
+    cb = fig.colorbar(im, ax=ax, fraction=0.04)
+    cb.set_label("tokens written into the block in the step (log; white = none)")
+    ticks = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= max(2, r["block_size"])]
+    cb.set_ticks(ticks, labels=[str(t) for t in ticks])
     ax.set_xlabel("physical block id")
     ax.set_ylabel("engine step")
     ax.set_title(f"Tokens written per physical block per step - {r['model']}, {r['num_blocks']} blocks of {r['block_size']}, "

@@ -5,6 +5,7 @@ commented, generated code up to date), the error mapping and the servicer's queu
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import shutil
 import subprocess
@@ -141,6 +142,8 @@ def test_full_queue_is_resource_exhausted_through_the_interceptor():
                     return err.code()
         finally:
             await running.server.stop(None)
+            del running
+            gc.collect()  # collect the aio server while its loop is alive
         return grpc.StatusCode.OK
 
     assert asyncio.run(main()) == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -152,3 +155,41 @@ def test_protos_directory_is_a_package():
             assert (d / "__init__.py").is_file(), d
             d = d.parent
     assert Path(REPO / "scripts" / "gen_protos.sh").is_file()
+
+
+# ----------------------------------------------------------------- health without grpcio-health-checking
+def test_fallback_health_speaks_grpc_health_v1():
+    """The servicer used where grpcio-health-checking is missing answers the official stub;
+    `check` (used by clients and tests) answers against the official servicer too."""
+    grpc_health = pytest.importorskip("grpc_health.v1.health")
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from scheduler_svc import health
+
+    async def main() -> list:
+        seen = []
+        for servicer in (health.FallbackHealthServicer(), grpc_health.aio.HealthServicer()):
+            server = grpc.aio.server()
+            if isinstance(servicer, health.FallbackHealthServicer):
+                servicer.add_to_server(server)
+            else:
+                health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            await servicer.set("svc", health.NOT_SERVING)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                watch = stub.Watch(health_pb2.HealthCheckRequest(service="svc"), timeout=10)
+                seen.append((await watch.read()).status)
+                await servicer.set("svc", health.SERVING)
+                seen.append((await watch.read()).status)
+                seen.append((await stub.Check(health_pb2.HealthCheckRequest(service="svc"), timeout=5)).status)
+                watch.cancel()
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                seen.append(await asyncio.to_thread(health.check, ch, "svc", 5.0))
+            await server.stop(None)
+        del server
+        gc.collect()  # collect the aio servers while their loop is alive
+        return seen
+
+    assert asyncio.run(main()) == [health.NOT_SERVING, health.SERVING, health.SERVING, health.SERVING] * 2

@@ -1,0 +1,79 @@
+"""`picovllm bench experiments|throughput`: the benchmarks of the repository's bench/ folder.
+
+bench/ is not an installed package: it is found beside this package in a source checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO_ROOT / "bench"
+
+
+def _bench_root() -> Path:
+    from scheduler_svc.cli import UsageError
+
+    if not (BENCH_DIR / "__init__.py").is_file():
+        raise UsageError(f"the bench/ folder is missing (expected {BENCH_DIR}); `picovllm bench` runs from a source checkout of pico-vllm")
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    return REPO_ROOT
+
+
+def cmd_experiments(args: argparse.Namespace) -> int:
+    _bench_root()
+    run = importlib.import_module("bench.experiments.run")
+    run.run(args)
+    return 0
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    root = _bench_root()
+    path = root / "bench" / "throughput.py"
+    spec = importlib.util.spec_from_file_location("bench.throughput", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rest = list(args.bench_args)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    saved = sys.argv
+    sys.argv = [str(path.relative_to(root)), *rest]
+    try:
+        module.main()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks and the reported experiments (from a source checkout)")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    exp = sub.add_parser("experiments", help="memory, block heatmap, load sweep and step profile: JSON + PNG into --out")
+    # The flag set lives with the experiments; a checkout without bench/ still gets the flags.
+    try:
+        _bench_root()
+        from bench.experiments.run import add_arguments
+    except Exception:  # noqa: BLE001 - reported when the command runs
+        add_arguments = _fallback_arguments
+    add_arguments(exp)
+    exp.set_defaults(func=cmd_experiments)
+
+    thr = sub.add_parser("throughput", help="offline throughput (bench/throughput.py); its flags follow",
+                         add_help=False, prefix_chars="+")  # every flag after `throughput` goes to the script
+    thr.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for bench/throughput.py (try --help)")
+    thr.set_defaults(func=cmd_throughput)
+
+
+def _fallback_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default="report")
+    ap.add_argument("--only", action="append")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)

@@ -1,0 +1,59 @@
+"""The memory experiment at a small size: the numbers are sane and the figure is a PNG."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+pytest.importorskip("matplotlib")
+if not (ROOT / "bench" / "experiments").is_dir():
+    pytest.skip("bench/ is not in this checkout", allow_module_level=True)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _is_png(path: Path) -> bool:
+    data = path.read_bytes()
+    return data[:8] == PNG_MAGIC and b"IHDR" in data[8:16] and data[-8:-4] == b"IEND" and len(data) > 1000
+
+
+@pytest.mark.timeout(120)
+def test_memory_experiment_small(tmp_path):
+    import torch
+
+    from bench.experiments import heatmap, memory
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result, trace = memory.run(tmp_path, num_requests=24, num_gpu_blocks=64, seed=1, return_trace=True)
+        heatmap.run(tmp_path, trace=trace)
+    finally:
+        torch.set_num_threads(threads)
+
+    data = json.loads((tmp_path / "memory.json").read_text())
+    assert data["admitted"] == result["admitted"]
+    adm = data["admitted"]
+    assert adm["contiguous"] == 64 * 16 // data["kv_budget"]["max_model_len"]
+    assert adm["paged_peak"] >= adm["contiguous"] >= 1
+    assert adm["paged_mean_under_load"] >= adm["contiguous"]
+    frag = data["fragmentation"]
+    for key in ("paged_per_step", "contiguous_per_step"):
+        values = [x for x in frag[key] if x is not None]  # None: nothing resident that step
+        assert values and all(0.0 <= x <= 1.0 for x in values), key
+    assert 0.0 <= frag["paged_mean"] < frag["contiguous_mean"] <= 1.0
+    b = data["kv_bytes_per_request"]
+    assert b["exact_tokens"]["mean"] <= b["paged"]["mean"] <= b["contiguous"]["mean"]
+    assert b["paged"]["p95"] <= b["contiguous"]["p95"]
+    assert data["workload"]["num_requests"] == 24
+    hm = json.loads((tmp_path / "heatmap.json").read_text())
+    # Every token of every request is written once (no preemption by recompute on this budget).
+    assert hm["tokens_written"] >= sum(trace.final_tokens.values()) - len(trace.final_tokens)
+    for name in ("memory.png", "heatmap.png"):
+        assert _is_png(tmp_path / name), name
