@@ -110,3 +110,28 @@ def write_result(path: str, title: str, env: dict, body: str) -> None:
     header = [f"# {title}", "", *(f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()), "", ""]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(header) + body.rstrip() + "\n")
+
+
+def make_llm(model: str, device: str, dtype: str | None = None, num_gpu_blocks: int | None = None, enforce_eager: bool = False, **engine_kwargs):
+    """An LLM over a ModelRunner for a named config (random weights) or a local directory,
+    with no tokenizer (token-id prompts). Returns (llm, runner)."""
+    from scheduler_svc.config import EngineConfig
+    from scheduler_svc.engine import LLMEngine
+    from scheduler_svc.llm import LLM
+
+    block_size = engine_kwargs.get("block_size", 16)
+    path, runner = build_runner(
+        model, device, dtype, block_size=block_size, num_device_blocks=num_gpu_blocks, enforce_eager=enforce_eager,
+        max_num_seqs=engine_kwargs.get("max_num_seqs", 256), max_num_batched_tokens=engine_kwargs.get("max_num_batched_tokens", 8192),
+        num_host_blocks=engine_kwargs.pop("num_cpu_blocks", 0),
+    )
+    config = EngineConfig(model=path, device=device, skip_tokenizer_init=True, enforce_eager=enforce_eager, **engine_kwargs)
+    return LLM.from_engine(LLMEngine(config, model=runner)), runner
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return values[k]

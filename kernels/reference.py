@@ -107,3 +107,47 @@ def paged_prefill_attention_ref(
         v = _gather_seq(v_cache, block_tables[b], seq_len)
         out[q_start:q_end] = _attend(q[q_start:q_end], k, v, scale, causal_offset=seq_len - q_len).to(q.dtype)
     return out
+
+
+# ---- fused elementwise ops (kernels.triton_fused): the exact math of model_svc.layers ----
+
+
+def rms_norm_ref(
+    x: torch.Tensor,  # (N, hidden)
+    weight: torch.Tensor,  # (hidden,)
+    eps: float,
+    residual: torch.Tensor | None = None,  # (N, hidden)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual)
+    """new residual = x + residual (or x); normed = weight * (fp32 RMSNorm of it, cast back)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), x
+
+
+def qk_norm_rope_ref(
+    q: torch.Tensor,  # (N, Hq, D)
+    k: torch.Tensor,  # (N, Hkv, D)
+    positions: torch.Tensor,  # (N,)
+    cos_sin_cache: torch.Tensor,  # (P, D): [cos | sin] per position
+    q_norm_weight: torch.Tensor | None = None,  # (D,)
+    k_norm_weight: torch.Tensor | None = None,  # (D,)
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:  # rotated q (N, Hq, D), k (N, Hkv, D)
+    """Optional per-head RMSNorm over head_dim, then neox-style (rotate_half) rotary."""
+    if q_norm_weight is not None:
+        q, _ = rms_norm_ref(q, q_norm_weight, eps)
+        k, _ = rms_norm_ref(k, k_norm_weight, eps)
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (N, 1, D/2) each
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N, I)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

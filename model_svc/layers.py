@@ -3,11 +3,16 @@ embedding, SiluAndMul, merged linear projections, and the paged Attention layer.
 
 Tokens of all sequences in a step are flattened into one batch of N tokens; there is no
 batch or padding dimension anywhere below the model.
+
+With the Triton kernel ops (CUDA), RMSNorm, SiluAndMul and the q/k norm + rotary run as the
+fused kernels of kernels.triton_fused; otherwise the torch code here runs (it is the reference).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -18,13 +23,25 @@ from model_svc.attention_metadata import AttentionMetadata
 from model_svc.config import RopeScaling
 
 
+def fused_kernels(ops: KernelOps | None) -> ModuleType | None:
+    """kernels.triton_fused when the model runs the Triton ops, else None (torch code runs).
+    Imported lazily so that the torch path needs no Triton."""
+    if ops is None or ops.name != "triton":
+        return None
+    from kernels import triton_fused
+
+    return triton_fused
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in fp32 as in HF Llama/Qwen."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: KernelOps | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        fused = fused_kernels(ops)
+        self.fused_rms_norm = fused.rms_norm if fused is not None else None
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -65,6 +82,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+@dataclass(slots=True)
+class RotaryInputs:
+    """What each layer needs to rotate q/k in one step. The torch path gathers cos/sin once
+    per step; the fused kernel indexes the cache by position itself."""
+
+    positions: torch.Tensor  # (N,) int64
+    cos_sin_cache: torch.Tensor  # (P, D): [cos | sin]
+    cos: torch.Tensor | None = None  # (N, 1, D/2), torch path only
+    sin: torch.Tensor | None = None  # (N, 1, D/2), torch path only
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin cache for positions [0, max_positions), computed in fp32 once and stored in the
     model dtype (as HF casts cos/sin to the activations' dtype)."""
@@ -82,6 +110,11 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
+    def inputs(self, positions: torch.Tensor, gather: bool = True) -> RotaryInputs:
+        """positions (N,) -> the step's RotaryInputs; gather=False leaves cos/sin to a kernel."""
+        cos, sin = self.cos_sin(positions) if gather else (None, None)
+        return RotaryInputs(positions, self.cos_sin_cache, cos, sin)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin(positions)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -90,7 +123,14 @@ class RotaryEmbedding(nn.Module):
 class SiluAndMul(nn.Module):
     """(N, 2I) [gate | up] -> (N, I) silu(gate) * up."""
 
+    def __init__(self, ops: KernelOps | None = None) -> None:
+        super().__init__()
+        fused = fused_kernels(ops)
+        self.fused_silu_and_mul = fused.silu_and_mul if fused is not None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_silu_and_mul is not None and x.dim() == 2:
+            return self.fused_silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

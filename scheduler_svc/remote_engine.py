@@ -97,11 +97,7 @@ class ServiceEngine(LLMEngine):
     # ----------------------------------------------------------------- recovery
     def _on_restart(self, why: str) -> list[RequestOutput]:
         logger.warning("model service restarted (%s): recomputing", why)
-        self._pending, self._restarted = None, True
-        try:
-            self._recompute_after_restart()
-        except (KVUnavailable, ModelUnavailable) as exc:
-            self.unavailable = str(exc)
+        self._pending, self._restarted = None, True  # the next step recomputes (and retries that)
         return []
 
     def _recompute_after_restart(self) -> None:

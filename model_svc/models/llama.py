@@ -16,7 +16,16 @@ from torch import nn
 from kernels import KernelOps
 from model_svc.attention_metadata import AttentionMetadata
 from model_svc.config import ModelConfig
-from model_svc.layers import Attention, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from model_svc.layers import (
+    Attention,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RotaryInputs,
+    SiluAndMul,
+    apply_rotary,
+    fused_kernels,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -36,12 +45,13 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops)
+        fused = fused_kernels(ops)
+        self.fused_qk_norm_rope = fused.qk_norm_rope if fused is not None else None
 
     def forward(
         self,
         x: torch.Tensor,  # (N, hidden)
-        cos: torch.Tensor,  # (N, 1, D/2)
-        sin: torch.Tensor,  # (N, 1, D/2)
+        rope: RotaryInputs,
         kv_cache: KVCache | None,
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # (N, hidden)
@@ -50,20 +60,30 @@ class LlamaAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)  # (N, Hq, D)
         k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
         v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()  # (N, Hkv, D)
-        if self.qk_norm:
-            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self._norm_rope(q, k, rope)  # contiguous (N, Hq, D), (N, Hkv, D)
         o = self.attn(q, k, v, kv_cache, attn)  # (N, Hq, D)
         return self.o_proj(o.reshape(n, self.q_size))
 
+    def _norm_rope(
+        self, q: torch.Tensor, k: torch.Tensor, rope: RotaryInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q/k (views into the qkv output) -> per-head norm (Qwen3), then rotary."""
+        if self.fused_qk_norm_rope is not None:
+            q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            return self.fused_qk_norm_rope(q, k, rope.positions, rope.cos_sin_cache, q_w, k_w, eps)
+        if self.qk_norm:
+            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+        return apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, hidden)
         return self.down_proj(self.act(self.gate_up_proj(x)))  # via (N, 2I) -> (N, I)
@@ -73,21 +93,20 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, ops)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(
         self,
         x: torch.Tensor,  # (N, hidden): the previous layer's output, not yet added to residual
         residual: torch.Tensor | None,  # (N, hidden) or None before the first layer
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryInputs,
         kv_cache: KVCache | None,
         attn: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, attn)
+        x = self.self_attn(x, rope, kv_cache, attn)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -97,7 +116,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.fused = fused_kernels(ops) is not None
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -110,10 +130,10 @@ class LlamaModel(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # (N, hidden)
         x = self.embed_tokens(input_ids)  # (N, hidden)
-        cos, sin = self.rotary_emb.cos_sin(positions)  # (N, 1, D/2) each, shared by all layers
+        rope = self.rotary_emb.inputs(positions, gather=not self.fused)  # shared by all layers
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos, sin, kv_caches[i] if kv_caches is not None else None, attn)
+            x, residual = layer(x, residual, rope, kv_caches[i] if kv_caches is not None else None, attn)
         x, _ = self.norm(x, residual)
         return x
 

@@ -1,0 +1,66 @@
+"""Batch-1 latency: time per output token for one request with a 512-token prompt
+(BENCHMARKS.md section 3 target: <= 1.0 ms per token for Qwen3-0.6B on the H200).
+
+    python bench/latency.py [--num-scheduler-steps 1] [--out bench/results/latency_h200.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import environment, make_llm, write_result  # noqa: E402
+
+
+def measure(args, steps: int) -> tuple[float, float]:
+    from scheduler_svc import SamplingParams
+
+    llm, _ = make_llm(args.model, args.device, num_gpu_blocks=4096, num_scheduler_steps=steps, max_num_seqs=8)
+    prompt = [random.Random(0).randrange(10000) for _ in range(args.prompt_len)]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
+    llm.generate([prompt], params)  # warm-up
+    engine = llm.engine
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    engine.add_request(prompt, params)
+    first = None
+    n = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if first is None:
+                first = time.perf_counter()
+            n = len(out.token_ids)
+    sync()
+    end = time.perf_counter()
+    return (first - start) * 1e3, (end - first) / max(1, n - 1) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    env = environment()
+    lines = ["| scheduler steps | TTFT ms | time per output token ms |", "| ---: | ---: | ---: |"]
+    for steps in (1, 8):
+        ttft, tpot = measure(args, steps)
+        lines.append(f"| {steps} | {ttft:.2f} | {tpot:.3f} |")
+    lines += ["", "target: <= 1.0 ms per output token"]
+    print("\n".join(lines))
+    if args.out:
+        write_result(args.out, "Batch-1 latency (512-token prompt)", env, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Prefix caching on vs off (BENCHMARKS.md section 4): a 1,024-token shared prefix plus 64
+distinct 32-token suffixes, 128 output tokens each. One request warms the prefix first (as a
+system prompt would be); then the 64 arrive together. Reports TTFT p50/p99 and throughput.
+
+    python bench/prefix.py [--model qwen3-0.6b] [--out bench/results/prefix_h200.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import environment, make_llm, percentile, write_result  # noqa: E402
+
+
+def run(args, caching: bool) -> dict:
+    from scheduler_svc import SamplingParams
+
+    rng = random.Random(0)
+    prefix = [rng.randrange(10000) for _ in range(args.prefix_len)]
+    prompts = [prefix + [rng.randrange(10000) for _ in range(args.suffix_len)] for _ in range(args.num_requests + 1)]
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.output_len)
+    llm, _ = make_llm(args.model, args.device, enable_prefix_caching=caching, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # compile / warm-up
+    llm.generate(prompts[:1], params)  # the first user of the shared prefix
+    engine = llm.engine
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts[1:]]
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    tokens = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.token_ids and out.request_id not in first:
+                first[out.request_id] = now
+            if out.finished:
+                done[out.request_id] = now
+                tokens += len(out.token_ids)
+    sync()
+    seconds = time.perf_counter() - start
+    ttft = [(first[i] - start) * 1e3 for i in ids]
+    return {"caching": caching, "seconds": seconds, "tok_s": tokens / seconds, "ttft_p50": percentile(ttft, 50),
+            "ttft_p99": percentile(ttft, 99), "hit_tokens": engine.kv.num_prefix_hits}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--suffix-len", type=int, default=32)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    env = environment()
+    on, off = run(args, True), run(args, False)
+    lines = [
+        "| prefix caching | seconds | output tok/s | TTFT p50 ms | TTFT p99 ms | prompt tokens from cache |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        *(f"| {'on' if r['caching'] else 'off'} | {r['seconds']:.2f} | {r['tok_s']:,.0f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['hit_tokens']} |" for r in (on, off)),
+        "",
+        f"throughput on/off: {on['tok_s'] / off['tok_s']:.2f}x (target >= 3x); TTFT p50 off/on: {off['ttft_p50'] / on['ttft_p50']:.2f}x (target >= 5x)",
+    ]
+    print("\n".join(lines))
+    if args.out:
+        write_result(args.out, "Prefix caching on vs off", env, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

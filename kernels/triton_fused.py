@@ -1,0 +1,190 @@
+"""Fused Triton kernels for the elementwise work around the projections of a decoder layer.
+
+    rms_norm       (residual add +) RMSNorm of a row           ref: kernels.reference.rms_norm_ref
+    qk_norm_rope   per-head q/k RMSNorm (Qwen3) + neox rotary  ref: kernels.reference.qk_norm_rope_ref
+    silu_and_mul   silu(gate) * up of a [gate | up] row        ref: kernels.reference.silu_and_mul_ref
+
+In torch each of these is a chain of 5-15 tiny kernels (casts, pow, mean, rsqrt, mul, cat, ...);
+here each is one launch. Math is fp32, and every place where the torch path rounds to the
+activation dtype (a bf16 op's result) is rounded here too, so bf16 outputs match the torch path
+up to the order of the fp32 sum of squares.
+
+No host syncs and no data-dependent allocation: all of them are CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import cdiv, next_pow2
+
+# ---- rms_norm ----
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
+    stride_x, stride_res, stride_out, stride_new_res,
+    hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # x + residual, rounded
+        tl.store(new_res_ptr + row * stride_new_res + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # torch: xf.to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,  # (N, hidden)
+    weight: torch.Tensor,  # (hidden,)
+    eps: float,
+    residual: torch.Tensor | None = None,  # (N, hidden), dtype of x
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual), each (N, hidden)
+    """With residual: new residual = x + residual, normed = RMSNorm(new residual). Without:
+    the new residual is x itself (as in layers.RMSNorm)."""
+    assert x.dim() == 2 and x.stride(-1) == 1, f"rms_norm wants (N, hidden) rows with unit stride, got {x.stride()}"
+    n, hidden = x.shape
+    out = torch.empty((n, hidden), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+        new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:
+        residual = new_residual = x  # unused by the kernel
+    if n == 0:
+        return out, new_residual
+    block = next_pow2(hidden)
+    _rms_norm_kernel[(n,)](
+        x, residual, weight, out, new_residual,
+        x.stride(0), residual.stride(0), out.stride(0), new_residual.stride(0),
+        hidden, eps,
+        HAS_RESIDUAL=new_residual is not x, BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )  # fmt: skip
+    return out, new_residual
+
+
+# ---- qk_norm_rope ----
+
+
+@triton.jit
+def _norm_rope_head(
+    src, dst, w_ptr, cos, sin, offs, mask, eps,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """One head: load its two halves (src has unit stride along D), optionally RMSNorm them over
+    the whole head, rotate, and store to dst. cos/sin are fp32 (BLOCK_HALF,)."""
+    dt = dst.dtype.element_ty
+    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        # torch: weight * xf.to(x.dtype), each product rounded to the activation dtype
+        x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    # torch: cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin), every op rounded
+    o1 = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
+    o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
+    tl.store(dst + offs, o1.to(dt), mask=mask)
+    tl.store(dst + HALF + offs, o2.to(dt), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_cs,
+    num_q_heads, num_kv_heads, eps,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < HALF
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    # the cache is in the model dtype, as the torch path multiplies with it
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    if head < num_q_heads:
+        src = q_ptr + tok * stride_qn + head * stride_qh
+        dst = q_out_ptr + (tok * num_q_heads + head) * (2 * HALF)
+        _norm_rope_head(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM)
+    else:
+        kv_head = head - num_q_heads
+        src = k_ptr + tok * stride_kn + kv_head * stride_kh
+        dst = k_out_ptr + (tok * num_kv_heads + kv_head) * (2 * HALF)
+        _norm_rope_head(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,  # (N, Hq, D), any strides with unit stride along D
+    k: torch.Tensor,  # (N, Hkv, D), likewise
+    positions: torch.Tensor,  # (N,) int
+    cos_sin_cache: torch.Tensor,  # (P, D): [cos | sin] per position, as layers.RotaryEmbedding
+    q_norm_weight: torch.Tensor | None = None,  # (D,): per-head RMSNorm before rope (Qwen3)
+    k_norm_weight: torch.Tensor | None = None,  # (D,)
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:  # new contiguous q (N, Hq, D) and k (N, Hkv, D)
+    """Neox-style rotary of q and k (after RMSNorm of each head when norm weights are given),
+    both in one launch: one program per (token, head)."""
+    n, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert k.shape == (n, num_kv_heads, head_dim) and head_dim % 2 == 0
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "q and k need unit stride along head_dim"
+    assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1
+    has_norm = q_norm_weight is not None
+    assert has_norm == (k_norm_weight is not None), "give both q and k norm weights or neither"
+    q_out = torch.empty((n, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((n, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    if n == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    _qk_norm_rope_kernel[(n, num_q_heads + num_kv_heads)](
+        q, k, q_out, k_out,
+        q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
+        cos_sin_cache, positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        num_q_heads, num_kv_heads, eps,
+        HALF=half, BLOCK_HALF=next_pow2(half), HAS_NORM=has_norm,
+        num_warps=1,
+    )  # fmt: skip
+    return q_out, k_out
+
+
+# ---- silu_and_mul ----
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    dt = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # F.silu rounds to x's dtype
+    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(dt), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N, I)
+    assert x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(-1) == 1
+    n, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    block = min(1024, next_pow2(inter))
+    _silu_and_mul_kernel[(n, cdiv(inter, block))](
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=min(4, max(1, block // 256))
+    )
+    return out
