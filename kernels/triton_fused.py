@@ -18,7 +18,24 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import cdiv, next_pow2
+from kernels.triton_common import cdiv, interpreting, next_pow2
+
+
+def fix_bf16_rounding(dtype: torch.dtype) -> bool:
+    """The Triton 3.6 interpreter casts fp32 to bf16 by truncation, where the GPU (and torch)
+    round to nearest even; the kernels then round by hand first (see round_to)."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+@triton.jit
+def round_to(x, dt: tl.constexpr, FIX_BF16: tl.constexpr):
+    """fp32 x rounded to dt, to nearest even. With FIX_BF16 the rounding is done on the bits,
+    so the interpreter's truncating cast that follows is exact (NaN payloads aside)."""
+    if FIX_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(dt)
 
 # ---- rms_norm ----
 
@@ -28,21 +45,23 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     stride_x, stride_res, stride_out, stride_new_res,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, FIX_BF16: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    dt = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # x + residual, rounded
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), dt, FIX_BF16)  # x + residual, rounded
         tl.store(new_res_ptr + row * stride_new_res + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # torch: xf.to(x.dtype)
+    normed = round_to(xf * rstd, dt, FIX_BF16).to(tl.float32)  # torch: xf.to(x.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    out = round_to(w * normed, out_ptr.dtype.element_ty, FIX_BF16)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 
 def rms_norm(
@@ -68,7 +87,7 @@ def rms_norm(
         x, residual, weight, out, new_residual,
         x.stride(0), residual.stride(0), out.stride(0), new_residual.stride(0),
         hidden, eps,
-        HAS_RESIDUAL=new_residual is not x, BLOCK=block,
+        HAS_RESIDUAL=new_residual is not x, BLOCK=block, FIX_BF16=fix_bf16_rounding(x.dtype),
         num_warps=min(16, max(1, block // 256)),
     )  # fmt: skip
     return out, new_residual
@@ -78,9 +97,15 @@ def rms_norm(
 
 
 @triton.jit
+def _rounded(x, dt: tl.constexpr, FIX_BF16: tl.constexpr):
+    """fp32 x rounded to dt and widened back: the result of one torch op in dt."""
+    return round_to(x, dt, FIX_BF16).to(tl.float32)
+
+
+@triton.jit
 def _norm_rope_head(
     src, dst, w_ptr, cos, sin, offs, mask, eps,
-    HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr,
 ):  # fmt: skip
     """One head: load its two halves (src has unit stride along D), optionally RMSNorm them over
     the whole head, rotate, and store to dst. cos/sin are fp32 (BLOCK_HALF,)."""
@@ -92,13 +117,13 @@ def _norm_rope_head(
         w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
         # torch: weight * xf.to(x.dtype), each product rounded to the activation dtype
-        x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x1 = _rounded(w1 * _rounded(x1 * rstd, dt, FIX_BF16), dt, FIX_BF16)
+        x2 = _rounded(w2 * _rounded(x2 * rstd, dt, FIX_BF16), dt, FIX_BF16)
     # torch: cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin), every op rounded
-    o1 = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
-    o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
-    tl.store(dst + offs, o1.to(dt), mask=mask)
-    tl.store(dst + HALF + offs, o2.to(dt), mask=mask)
+    o1 = _rounded(x1 * cos, dt, FIX_BF16) - _rounded(x2 * sin, dt, FIX_BF16)
+    o2 = _rounded(x2 * cos, dt, FIX_BF16) + _rounded(x1 * sin, dt, FIX_BF16)
+    tl.store(dst + offs, round_to(o1, dt, FIX_BF16), mask=mask)
+    tl.store(dst + HALF + offs, round_to(o2, dt, FIX_BF16), mask=mask)
 
 
 @triton.jit
@@ -106,7 +131,7 @@ def _qk_norm_rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_cs,
     num_q_heads, num_kv_heads, eps,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -119,12 +144,12 @@ def _qk_norm_rope_kernel(
     if head < num_q_heads:
         src = q_ptr + tok * stride_qn + head * stride_qh
         dst = q_out_ptr + (tok * num_q_heads + head) * (2 * HALF)
-        _norm_rope_head(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM)
+        _norm_rope_head(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16)
     else:
         kv_head = head - num_q_heads
         src = k_ptr + tok * stride_kn + kv_head * stride_kh
         dst = k_out_ptr + (tok * num_kv_heads + kv_head) * (2 * HALF)
-        _norm_rope_head(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM)
+        _norm_rope_head(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16)
 
 
 def qk_norm_rope(
@@ -156,7 +181,7 @@ def qk_norm_rope(
         cos_sin_cache, positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         num_q_heads, num_kv_heads, eps,
-        HALF=half, BLOCK_HALF=next_pow2(half), HAS_NORM=has_norm,
+        HALF=half, BLOCK_HALF=next_pow2(half), HAS_NORM=has_norm, FIX_BF16=fix_bf16_rounding(q.dtype),
         num_warps=1,
     )  # fmt: skip
     return q_out, k_out
@@ -166,15 +191,15 @@ def qk_norm_rope(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr, FIX_BF16: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     dt = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # F.silu rounds to x's dtype
-    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(dt), mask=mask)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dt, FIX_BF16).to(tl.float32)  # F.silu rounds to x's dtype
+    tl.store(out_ptr + row * stride_out + cols, round_to(silu * up, dt, FIX_BF16), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N, I)
@@ -184,7 +209,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N,
     if n == 0:
         return out
     block = min(1024, next_pow2(inter))
-    _silu_and_mul_kernel[(n, cdiv(inter, block))](
-        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=min(4, max(1, block // 256))
+    _silu_and_mul_kernel[(n, cdiv(inter, block))](  # fmt: skip
+        x, out, x.stride(0), out.stride(0), inter,
+        BLOCK=block, FIX_BF16=fix_bf16_rounding(x.dtype), num_warps=min(4, max(1, block // 256)),
     )
     return out
