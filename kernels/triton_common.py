@@ -111,13 +111,12 @@ def load_rows(ptrs, row_mask, d_mask, ROW_MASK: tl.constexpr, D_MASK: tl.constex
 
 @triton.jit
 def softmax_step(qk, m_i, l_i, scale_log2):
-    """One online-softmax step over a tile of raw scores qk (rows, cols), masked entries -inf.
-
-    Works in base 2 with the scale folded in: the row max is taken on raw scores and scaled
-    once per row, so each score costs one fused multiply-add before exp2. Returns p (the
-    tile's unnormalised probabilities), alpha (the factor rescaling the old accumulator), and
-    the new running max and sum."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-    p = tl.exp2(qk * scale_log2 - m_new[:, None])
+    """One online-softmax step over a tile of raw scores qk (rows, cols), masked entries -inf,
+    in base 2 with the softmax scale folded into scale_log2. Returns p (the tile's
+    unnormalised probabilities), alpha (the factor rescaling the old accumulator), and the new
+    running max and sum."""
+    s = qk * scale_log2
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)

@@ -72,11 +72,11 @@ def pick_num_splits(
     programs at once (72 KB of shared memory each), each keeping two K/V tiles in flight,
     which is enough to saturate memory; aiming at two leaves room for rounding up without a
     second, mostly idle wave of programs. Measured on the H200 (bench/results/kernels_h200.md):
-    at B=1, L=32k, 264 programs ran 16% faster than 528; at B=8, L=32k, 256 ran 14% faster
-    than 576; at B=32, L=8k one split (256 programs) beat three.
+    at B=1, L=32k, 264 programs took 16 % less time than 528; at B=8, L=32k, 256 took 13 %
+    less than 576; at B=32, L=8k one split (256 programs) beat three.
 
     On an H200 (132 SMs) with 8 KV heads: B=1 -> 33 splits (about 1k tokens each at L=32k;
-    16 one-tile splits at L=1k); B=8 -> 4; B=16 -> 2; B>=32 -> 1 (no combine kernel at all).
+    16 one-tile splits at L=1k); B=8 -> 4; B=16 -> 2; B>=23 -> 1 (no combine kernel at all).
 
     max_seq_len may be an upper bound (the decode wrapper passes block_tables.shape[1] *
     block_size, known on the host without a device sync, so the choice is CUDA-graph safe);

@@ -61,19 +61,19 @@ def seq_from_pb(m: pb.SeqStep) -> SeqStep:
 def step_to_pb(inp: StepInput, expected_epoch: str) -> pb.StepRequest:
     return pb.StepRequest(
         expected_epoch=expected_epoch, seqs=[seq_to_pb(s) for s in inp.seqs], swap_out=_copies_to_pb(inp.swap_out),
-        copies=_copies_to_pb(inp.copies), swap_in=_copies_to_pb(inp.swap_in), finished=inp.finished,
+        copies=_copies_to_pb(inp.copies), swap_in=_copies_to_pb(inp.swap_in), finished=inp.finished, num_steps=inp.num_steps,
     )
 
 
 def step_from_pb(m: pb.StepRequest) -> StepInput:
     return StepInput([seq_from_pb(s) for s in m.seqs], _copies_from_pb(m.swap_out), _copies_from_pb(m.swap_in),
-                     _copies_from_pb(m.copies), list(m.finished))
+                     _copies_from_pb(m.copies), list(m.finished), max(1, m.num_steps))
 
 
 def output_to_pb(out: StepOutput, epoch: str) -> pb.StepResponse:
     sampled = []
     for t in out.sampled:
-        m = pb.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob)
+        m = pb.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob, extra_token_ids=t.extra_token_ids)
         m.top_logprobs.extend(pb.TokenLogprob(token_id=i, logprob=lp) for i, lp in t.top_logprobs or ())
         sampled.append(m)
     return pb.StepResponse(epoch=epoch, sampled=sampled)
@@ -84,5 +84,5 @@ def output_from_pb(m: pb.StepResponse) -> StepOutput:
     for t in m.sampled:
         logprob = t.logprob if t.HasField("logprob") else None
         top = [(x.token_id, x.logprob) for x in t.top_logprobs] if logprob is not None else None
-        sampled.append(SampledToken(t.seq_id, t.token_id, logprob, top))
+        sampled.append(SampledToken(t.seq_id, t.token_id, logprob, top, list(t.extra_token_ids)))
     return StepOutput(sampled)

@@ -83,8 +83,9 @@ class ServiceEngine(LLMEngine):
             raise
         self._pending, self.unavailable = None, None
         self.num_steps += 1
-        self.scheduler.update(sched)
-        return self._process(sched, result)
+        outputs = self._process(sched, result)
+        self.scheduler.update(sched)  # after the tokens of multi-step sub-steps are appended
+        return outputs
 
     def _timeout(self, sched: SchedulerOutput) -> float | None:
         """The time left of the latest client deadline among the step's requests (None when
@@ -161,7 +162,7 @@ def build_service_engine(config: Any) -> ServiceEngine:
         model=config.tokenizer, block_size=info.block_size, num_gpu_blocks=info.num_device_blocks,
         enable_prefix_caching=s.enable_prefix_caching, enable_chunked_prefill=s.enable_chunked_prefill,
         preemption_mode=s.preemption_mode, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-        max_model_len=s.max_model_len,
+        max_model_len=s.max_model_len, num_scheduler_steps=s.num_scheduler_steps,
     )
     logger.info("connected: model %s (epoch %s, %d/%d blocks), kvcache %s (%s state)", info.model, info.epoch,
                 info.num_device_blocks, info.num_host_blocks, config.kvcache.address, "adopted" if adopted else "reset")

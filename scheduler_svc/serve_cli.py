@@ -29,6 +29,7 @@ FLAGS: dict[str, tuple[str, str, type]] = {
     "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", int),
     "--max-model-len": ("scheduler", "max_model_len", int),
     "--preemption-mode": ("scheduler", "preemption_mode", str),
+    "--num-scheduler-steps": ("scheduler", "num_scheduler_steps", int),
     "--drain-timeout": ("scheduler", "drain_timeout_s", float),
     "--model": ("model", "model", str),
     "--block-size": ("model", "block_size", int),

@@ -58,6 +58,7 @@ class SchedulerSection:
     preemption_mode: str = "swap"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps per model call
     rpc_timeout_s: float = 30.0  # one internal call, when no client deadline is shorter
     retry_window_s: float = 1.0  # how long one engine step retries a peer that is down
     startup_timeout_s: float = 600.0  # waiting for the peers at start
@@ -65,7 +66,7 @@ class SchedulerSection:
 
     def __post_init__(self) -> None:
         _check_address("scheduler.address", self.address)
-        _positive("scheduler", self, "max_waiting", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+        _positive("scheduler", self, "max_waiting", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps",
                   "rpc_timeout_s", "retry_window_s", "startup_timeout_s")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"scheduler.metrics_port must be a port number, got {self.metrics_port!r}")

@@ -59,20 +59,22 @@ class SeqStep(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., sample: _Optional[bool] = ..., table_changed: _Optional[bool] = ..., table_start: _Optional[int] = ..., table_blocks: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("expected_epoch", "seqs", "swap_out", "copies", "swap_in", "finished")
+    __slots__ = ("expected_epoch", "seqs", "swap_out", "copies", "swap_in", "finished", "num_steps")
     EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     expected_epoch: str
     seqs: _containers.RepeatedCompositeFieldContainer[SeqStep]
     swap_out: BlockCopies
     copies: BlockCopies
     swap_in: BlockCopies
     finished: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, expected_epoch: _Optional[str] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., swap_out: _Optional[_Union[BlockCopies, _Mapping]] = ..., copies: _Optional[_Union[BlockCopies, _Mapping]] = ..., swap_in: _Optional[_Union[BlockCopies, _Mapping]] = ..., finished: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_steps: int
+    def __init__(self, expected_epoch: _Optional[str] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., swap_out: _Optional[_Union[BlockCopies, _Mapping]] = ..., copies: _Optional[_Union[BlockCopies, _Mapping]] = ..., swap_in: _Optional[_Union[BlockCopies, _Mapping]] = ..., finished: _Optional[_Iterable[str]] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -83,16 +85,18 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "extra_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    extra_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., extra_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("epoch", "sampled")
