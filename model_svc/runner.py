@@ -18,7 +18,7 @@ from model_svc.attention_metadata import AttentionMetadata
 from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.loader import load_model
 from model_svc.sampler import Sampler, SamplingBatch
-from model_svc.step import SampledToken, SeqStep, StepInput, StepOutput
+from model_svc.step import PLACEHOLDER, SampledToken, SeqStep, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class ModelRunner:
         max_len = min(self.config.max_position_embeddings, num_device_blocks * block_size)
         self.block_tables = HostBlockTables(-(-max_len // block_size))
         self.graphs = None
+        self._last_sampled: torch.Tensor | None = None  # (B,) what the previous step sampled
+        self._last_index: dict[str, int] = {}
         if self.device.type == "cuda" and not enforce_eager:
             from model_svc.cuda_graphs import DecodeGraphs
 
@@ -123,8 +125,14 @@ class ModelRunner:
         return int(num)
 
     # ----------------------------------------------------------------- the step
-    @torch.inference_mode()
     def step(self, inp: StepInput) -> StepOutput:
+        return self.launch(inp).result()
+
+    @torch.inference_mode()
+    def launch(self, inp: StepInput) -> "LaunchedStep":
+        """Queue the step's device work and return at once; `result()` waits for the sampled
+        tokens. The host can schedule the next step meanwhile: a decode token given as
+        PLACEHOLDER is taken on the device from what this runner sampled last."""
         for seq_id in inp.finished:
             state = self.seqs.pop(seq_id, None)
             if state is not None:
@@ -135,7 +143,7 @@ class ModelRunner:
         self.pools.copy_device(inp.copies)
         self.pools.swap_in(inp.swap_in)
         if not inp.seqs:
-            return StepOutput()
+            return LaunchedStep(self, [], None)
         for s in inp.seqs:
             self._update_seq(s)
         input_ids, positions, meta, sample_rows = self._prepare(inp.seqs)
@@ -143,16 +151,40 @@ class ModelRunner:
             return self._multi_step(inp, input_ids, positions, meta)
         hidden = self._forward(input_ids, positions, meta)
         if not sample_rows:
-            return StepOutput()
-        logits = self.model.compute_logits(hidden[torch.tensor([r for r, _ in sample_rows], device=self.device)])
-        return self._sample(logits, [s for _, s in sample_rows])
+            return LaunchedStep(self, [], None)
+        rows = [r for r, _ in sample_rows]
+        logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)])
+        seqs = [s for _, s in sample_rows]
+        states = [self.seqs[s.seq_id] for s in seqs]
+        params = [st.sampling for st in states]
+        prompts = outputs = None
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            prompts = [st.token_ids[: st.num_prompt_tokens] for st in states]
+            outputs = [st.token_ids[st.num_prompt_tokens :] for st in states]
+        batch = SamplingBatch.build(params, prompts, outputs, [st.generator for st in states], self.device)
+        result = self.sampler(logits, batch)
+        self._remember_sampled(seqs, result.token_ids)
+        return LaunchedStep(self, seqs, result.token_ids[:, None], result)
+
+    def _fill_placeholders(self, ids_dev: torch.Tensor, placeholders: np.ndarray, seqs: list[SeqStep], seq_index: np.ndarray) -> None:
+        """Decode inputs the host did not know: the tokens this runner sampled last step."""
+        try:
+            rows = [self._last_index[seqs[b].seq_id] for b in seq_index[placeholders].tolist()]
+        except (KeyError, AttributeError):
+            raise ValueError("a placeholder token for a sequence that was not sampled in the previous step") from None
+        dev = self.device
+        ids_dev[torch.from_numpy(placeholders).to(dev)] = self._last_sampled[torch.tensor(rows, device=dev)]
+
+    def _remember_sampled(self, seqs: list[SeqStep], token_ids: torch.Tensor) -> None:
+        self._last_sampled = token_ids
+        self._last_index = {s.seq_id: i for i, s in enumerate(seqs)}
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.graphs is not None and meta.is_decode and self.graphs.can_run(input_ids.shape[0], meta.block_tables.shape[1]):
             return self.graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.pools.layer_caches, meta)
 
-    def _multi_step(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> StepOutput:
+    def _multi_step(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> "LaunchedStep":
         """num_steps decode steps back to back: each feeds the tokens the previous one sampled,
         with positions, slots and lengths advanced on the device; one host sync at the end.
         The scheduler has reserved the blocks of every sub-step."""
@@ -173,10 +205,8 @@ class ModelRunner:
                     slot_mapping=block * bs + positions % bs, block_tables=meta.block_tables, seq_lens=meta.seq_lens + 1,
                     cu_seqlens_q=meta.cu_seqlens_q, is_decode=True, max_seq_len=meta.max_seq_len + 1,
                 )
-        tokens = torch.stack(sampled, dim=1).tolist()  # (B, num_steps)
-        for st, toks in zip(states, tokens):
-            st.token_ids.extend(toks[:-1])  # fed by sub-steps 2..num_steps
-        return StepOutput([SampledToken(s.seq_id, toks[0], extra_token_ids=toks[1:]) for s, toks in zip(inp.seqs, tokens)])
+        self._remember_sampled(inp.seqs, input_ids)
+        return LaunchedStep(self, inp.seqs, torch.stack(sampled, dim=1))  # (B, num_steps)
 
     def _update_seq(self, s: SeqStep) -> None:
         state = self.seqs.get(s.seq_id)
@@ -194,11 +224,14 @@ class ModelRunner:
         if s.table_blocks is not None:
             self.block_tables.write(state.row, s.table_start, s.table_blocks)
             state.num_blocks = s.table_start + len(s.table_blocks)
-        end = s.start_pos + len(s.token_ids)
+        fed = s.token_ids
+        end = s.start_pos + len(fed)
+        if fed and fed[-1] == PLACEHOLDER and len(state.token_ids) >= end:
+            fed = fed[:-1] + [state.token_ids[end - 1]]  # its result was already read back
         del state.token_ids[s.start_pos:]
         if len(state.token_ids) < s.start_pos:  # history unknown (restart): pad, positions matter
             state.token_ids.extend([-1] * (s.start_pos - len(state.token_ids)))
-        state.token_ids.extend(s.token_ids)
+        state.token_ids.extend(fed)
         if end > state.num_blocks * self.block_size:
             raise ValueError(f"sequence {s.seq_id!r}: {end} tokens but only {state.num_blocks} blocks")
 
@@ -229,6 +262,9 @@ class ModelRunner:
         tables = self.block_tables.rows([st.row for st in states], width)
         dev = self.device
         packed_dev = torch.from_numpy(packed).to(dev, non_blocking=True)
+        placeholders = np.flatnonzero(ids == PLACEHOLDER)
+        if placeholders.size:
+            self._fill_placeholders(packed_dev[:num_tokens], placeholders, seqs, seq_index)
         block_tables = torch.from_numpy(tables).to(dev, non_blocking=True)
         t = num_tokens
         ids_dev, pos_dev, idx_dev = packed_dev[:t], packed_dev[t : 2 * t], packed_dev[2 * t : 3 * t]
@@ -244,22 +280,44 @@ class ModelRunner:
         )
         return ids_dev, pos_dev, meta, sample_rows
 
-    def _sample(self, logits: torch.Tensor, seqs: list[SeqStep]) -> StepOutput:
-        states = [self.seqs[s.seq_id] for s in seqs]
-        params = [st.sampling for st in states]
-        prompts = outputs = None
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-            prompts = [st.token_ids[: st.num_prompt_tokens] for st in states]
-            outputs = [st.token_ids[st.num_prompt_tokens :] for st in states]
-        batch = SamplingBatch.build(params, prompts, outputs, [st.generator for st in states], self.device)
-        result = self.sampler(logits, batch)
-        token_ids = result.token_ids.tolist()
-        out = StepOutput([SampledToken(s.seq_id, t) for s, t in zip(seqs, token_ids)])
-        if result.logprobs is not None:
+
+class LaunchedStep:
+    """A step whose device work is queued: the sampled ids are copied to pinned host memory
+    behind an event, so waiting for them does not stall the work queued after it."""
+
+    def __init__(self, runner: ModelRunner, seqs: list[SeqStep], token_ids: torch.Tensor | None, sampler_out=None) -> None:
+        self.runner, self.seqs, self.sampler_out = runner, seqs, sampler_out
+        self._host = None
+        self._event = None
+        if token_ids is not None:
+            if token_ids.is_cuda:
+                self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+                self._host.copy_(token_ids, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+            else:
+                self._host = token_ids
+
+    def result(self) -> StepOutput:
+        if self._host is None:
+            return StepOutput()
+        if self._event is not None:
+            self._event.synchronize()
+        tokens = self._host.tolist()  # (B, num_steps)
+        runner = self.runner
+        out = StepOutput([SampledToken(s.seq_id, toks[0], extra_token_ids=toks[1:]) for s, toks in zip(self.seqs, tokens)])
+        for s, toks in zip(self.seqs, tokens):
+            state = runner.seqs.get(s.seq_id)
+            if state is not None:  # history for penalties: the tokens sampled here, by position
+                end = s.start_pos + len(s.token_ids)
+                state.token_ids[end:] = toks
+        result = self.sampler_out
+        if result is not None and result.logprobs is not None:
             logprobs = result.logprobs.tolist()
             top_ids, top_lps = result.top_token_ids.tolist(), result.top_logprobs.tolist()
-            for i, st in enumerate(states):
-                n = st.sampling.logprobs
+            for i, s in enumerate(self.seqs):
+                state = runner.seqs.get(s.seq_id)
+                n = state.sampling.logprobs if state is not None else None
                 if n is not None:
                     out.sampled[i].logprob = logprobs[i]
                     out.sampled[i].top_logprobs = list(zip(top_ids[i][:n], top_lps[i][:n]))

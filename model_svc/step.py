@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# A decode input whose token the host does not know yet: the model service feeds the token it
+# sampled for that sequence in its previous step (lets the host schedule while the device runs).
+PLACEHOLDER = -1
+
 
 @dataclass(slots=True)
 class SeqStep:

@@ -27,6 +27,7 @@ class EngineConfig:
     kernel_backend: str | None = None  # None: triton on cuda, torch otherwise
     enforce_eager: bool = False  # True: no CUDA graphs
     num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps per schedule
+    async_scheduling: bool | None = None  # overlap host work with the device step; None: on with CUDA
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks)
 
     def __post_init__(self) -> None:

@@ -44,6 +44,17 @@ class _Stream:
     emitted_tokens: int = 0
 
 
+def _needs_history(req: Request) -> bool:
+    p = req.sampling
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: ModelClient | None = None, tokenizer=None, model_config=None, kv=None) -> None:
         self.config = config
@@ -83,6 +94,12 @@ class LLMEngine:
         self._detokenizers: dict[bool, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.stream_outputs = True  # False: step() returns finished requests only (offline use)
+        # Overlap the host's work with the device's step (needs a model client with launch()).
+        overlap = config.async_scheduling if config.async_scheduling is not None else str(config.device or "").startswith("cuda") or (
+            config.device is None and _cuda_available())
+        self.async_scheduling = bool(overlap) and hasattr(model, "launch") and config.num_scheduler_steps == 1
+        self._inflight = None  # (SchedulerOutput, LaunchedStep) of the step on the device
+        self._next: SchedulerOutput | None = None  # step k+1, scheduled while step k runs
 
     def _max_model_len(self, model, config: EngineConfig) -> int:
         limit = min(self.model_config.max_position_embeddings, model.num_device_blocks * config.block_size)
@@ -132,10 +149,12 @@ class LLMEngine:
         return self._output(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None or self._next is not None
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_overlapped()
         sched = self.scheduler.schedule()
         inp = sched.step
         if not (inp.seqs or inp.swap_out or inp.swap_in or inp.copies or inp.finished):
@@ -147,6 +166,37 @@ class LLMEngine:
         self.scheduler.update(sched)  # after the tokens fed by multi-step sub-steps are appended
         return outputs
 
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """One turn of the pipeline: queue step k on the device, then, while it runs, read
+        back step k-1's tokens (stop checks, detokenization, outputs), advance the cache
+        bookkeeping of step k and schedule step k+1 (tokens step k is still sampling are fed
+        on the device as placeholders). Outputs therefore come one step late."""
+        sched = self._next if self._next is not None else self.scheduler.schedule()
+        self._next = None
+        inp = sched.step
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None and any(_needs_history(s.request) for s in sched.scheduled):
+            outputs += self._drain()  # penalties read the token history: no overlap this step
+        launched = None
+        if inp.seqs or inp.swap_out or inp.swap_in or inp.copies or inp.finished:
+            launched = self.model.launch(inp)
+        was_inflight = self._inflight is not None
+        outputs += self._drain()
+        if launched is not None:
+            self._inflight = (sched, launched)
+            self.scheduler.update(sched)
+        elif not was_inflight and self.scheduler.has_unfinished() and not self.scheduler.running:
+            raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
+        if self.scheduler.has_unfinished():
+            self._next = self.scheduler.schedule()
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        if self._inflight is None:
+            return []
+        (sched, launched), self._inflight = self._inflight, None
+        return self._process(sched, launched.result())
+
     def _process(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         sampled = {t.seq_id: t for t in result.sampled}
         outputs = []
@@ -156,6 +206,7 @@ class LLMEngine:
             if not s.sample or req.finished:
                 continue
             token = sampled[req.request_id]
+            req.num_pending -= 1
             if req.first_token_time is None:
                 req.first_token_time = now
             if req.sampling.logprobs is not None and token.logprob is not None:

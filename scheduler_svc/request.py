@@ -27,6 +27,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + generated, grows in place
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_pending: int = 0  # tokens sampled (or being sampled) on the device, not yet read back
     sent_table: list[int] = field(default_factory=list)  # the block table the model side has
     sent_sampling: bool = False  # the model side knows this sequence
     finish_reason: str | None = None  # "stop" | "length" | "abort"

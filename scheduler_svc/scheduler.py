@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvcache_svc import KVCacheManager, NoFreeBlocks, Tier
-from model_svc.step import SeqStep, StepInput
+from model_svc.step import PLACEHOLDER, SeqStep, StepInput
 from scheduler_svc.request import Request, RequestStatus
 
 
@@ -118,7 +118,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_pending and self._finishes_by_length(req):
+                i += 1  # its pending token is its last: it finishes when that is read back
+                continue
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             while True:
                 result = self.kv.append_slots(req.request_id, req.num_computed_tokens, num_new)
                 if not isinstance(result, NoFreeBlocks):
@@ -153,7 +156,7 @@ class Scheduler:
         dropped)."""
         if self.waiting or self.swapped or not out.scheduled or out.step.swap_in:
             return
-        if any(s.num_new_tokens != 1 or not s.sample or _needs_single_step(s.request) for s in out.scheduled):
+        if any(s.num_new_tokens != 1 or not s.sample or s.request.num_pending != 1 or _needs_single_step(s.request) for s in out.scheduled):
             return
         steps = self.config.num_scheduler_steps
         for s in out.scheduled:
@@ -181,10 +184,19 @@ class Scheduler:
                 seq.table_start, seq.table_blocks = start, table[start:]
                 req.sent_table = list(table)
 
+    def _finishes_by_length(self, req: Request) -> bool:
+        return req.num_output_tokens + req.num_pending >= req.sampling.max_tokens or req.num_tokens + req.num_pending >= self.config.max_model_len
+
     def _schedule_seq(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
-        sample = start + num_new == req.num_tokens
-        seq = SeqStep(req.request_id, req.token_ids[start : start + num_new], start, sample)
+        tokens = req.token_ids[start : start + num_new]
+        if len(tokens) < num_new:  # the token sampled by the step in flight: fed on the device
+            assert len(tokens) + 1 == num_new and req.num_pending, (req.request_id, len(tokens), num_new, req.num_pending)
+            tokens.append(PLACEHOLDER)
+        sample = start + num_new == req.num_tokens + req.num_pending
+        if sample:
+            req.num_pending += 1
+        seq = SeqStep(req.request_id, tokens, start, sample)
         table = self.kv.block_table(req.request_id)
         sent = req.sent_table
         if len(table) != len(sent) or table[: len(sent)] != sent:
@@ -228,7 +240,7 @@ class Scheduler:
             self.swapped.popleft()
             out.step.swap_in.extend(copies)
             self.stats.num_swapped_in_blocks += len(copies)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             result = self.kv.append_slots(req.request_id, req.num_computed_tokens, num_new)
             assert not isinstance(result, NoFreeBlocks)
             req.status = RequestStatus.RUNNING
@@ -240,6 +252,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending:  # preempted while its last token is still being read back
+                break
             if not self.config.enable_chunked_prefill and req.num_tokens > budget:
                 break
             result = self.kv.allocate(req.request_id, req.token_ids, budget, req.cache_salt)
@@ -262,7 +276,7 @@ class Scheduler:
         for req in affected:
             if req.request_id in self.kv.seqs:
                 self.kv.free(req.request_id)
-            req.num_computed_tokens, req.sent_table, req.status = 0, [], RequestStatus.WAITING
+            req.num_computed_tokens, req.sent_table, req.status, req.num_pending = 0, [], RequestStatus.WAITING, 0
         for req in list(self.waiting):
             req.sent_table = []
         for req in affected + list(self.waiting):

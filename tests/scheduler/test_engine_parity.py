@@ -135,11 +135,15 @@ def test_tiny_models_prefix_caching(tiny):
         assert_clean(llm)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_tiny_models_preemption(tiny, mode):
+def test_tiny_models_preemption(tiny, mode, overlap):
     path, prompts, ref = tiny
-    # About a quarter of what the batch needs at its peak: preemption must happen.
-    llm = LLM(path, num_gpu_blocks=24, num_cpu_blocks=200, preemption_mode=mode, enable_prefix_caching=(mode == "swap"))
+    # About a quarter of what the batch needs at its peak: preemption must happen. Overlapped:
+    # the next step is scheduled while the current one runs (placeholder tokens).
+    llm = LLM(path, num_gpu_blocks=24, num_cpu_blocks=200, preemption_mode=mode, enable_prefix_caching=(mode == "swap"),
+              async_scheduling=overlap)
+    assert llm.engine.async_scheduling == overlap
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.stats.num_preemptions > 0
     if mode == "swap":
@@ -150,7 +154,7 @@ def test_tiny_models_preemption(tiny, mode):
 
 def test_swap_falls_back_to_recompute_when_host_pool_full(tiny):
     path, prompts, ref = tiny
-    llm = LLM(path, num_gpu_blocks=24, num_cpu_blocks=2, preemption_mode="swap")
+    llm = LLM(path, num_gpu_blocks=24, num_cpu_blocks=2, preemption_mode="swap", async_scheduling=True)
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.stats.num_preemptions > 0
     assert_matches_hf([o.token_ids for o in outs], ref)
