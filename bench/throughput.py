@@ -65,7 +65,7 @@ def run_embedded(args, prompts, params):
     config = EngineConfig(
         model=path, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
-        num_scheduler_steps=args.num_scheduler_steps,
+        num_scheduler_steps=args.num_scheduler_steps, async_scheduling=not args.sync,
     )
     llm = LLM.from_engine(LLMEngine(config, model=runner))
     return llm, runner
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
+    ap.add_argument("--sync", action="store_true", help="no overlap of host scheduling with the device step")
     ap.add_argument("--check", action="store_true", help="first check greedy parity of the optimized path vs the plain one")
     ap.add_argument("--out", default=None, help="write a markdown result here")
     args = ap.parse_args()
@@ -123,7 +124,7 @@ def main() -> None:
         "",
         f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s, "
         f"device blocks {runner.num_device_blocks}, kernels {runner.ops.name}, cuda graphs {not args.enforce_eager}, "
-        f"scheduler steps {args.num_scheduler_steps}",
+        f"scheduler steps {args.num_scheduler_steps}, overlapped scheduling {llm.engine.async_scheduling}",
     ]
     if parity:
         lines += ["", "Greedy parity, optimized vs plain path (first 32 tokens, 8 prompts):", *(f"- {r}" for r in parity)]
