@@ -23,8 +23,10 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+# Run as a script, this file's folder comes first on sys.path and its own name would shadow
+# the `kernels` package: put the repository first instead.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -65,7 +65,7 @@ def run_embedded(args, prompts, params):
     config = EngineConfig(
         model=path, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
-        num_scheduler_steps=args.num_scheduler_steps, async_scheduling=not args.sync,
+        num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.overlap,
     )
     llm = LLM.from_engine(LLMEngine(config, model=runner))
     return llm, runner
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
-    ap.add_argument("--sync", action="store_true", help="no overlap of host scheduling with the device step")
+    ap.add_argument("--overlap", action="store_true", help="schedule step k+1 while step k runs (async scheduling)")
     ap.add_argument("--check", action="store_true", help="first check greedy parity of the optimized path vs the plain one")
     ap.add_argument("--out", default=None, help="write a markdown result here")
     args = ap.parse_args()

@@ -27,7 +27,9 @@ class EngineConfig:
     kernel_backend: str | None = None  # None: triton on cuda, torch otherwise
     enforce_eager: bool = False  # True: no CUDA graphs
     num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps per schedule
-    async_scheduling: bool | None = None  # overlap host work with the device step; None: on with CUDA
+    # Schedule step k+1 while step k runs (placeholder tokens). Exact, but not yet faster on the
+    # H200 (bench/NOTES.md): off by default.
+    async_scheduling: bool = False
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks)
 
     def __post_init__(self) -> None:

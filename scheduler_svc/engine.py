@@ -49,12 +49,6 @@ def _needs_history(req: Request) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: ModelClient | None = None, tokenizer=None, model_config=None, kv=None) -> None:
         self.config = config
@@ -95,9 +89,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stream_outputs = True  # False: step() returns finished requests only (offline use)
         # Overlap the host's work with the device's step (needs a model client with launch()).
-        overlap = config.async_scheduling if config.async_scheduling is not None else str(config.device or "").startswith("cuda") or (
-            config.device is None and _cuda_available())
-        self.async_scheduling = bool(overlap) and hasattr(model, "launch") and config.num_scheduler_steps == 1
+        self.async_scheduling = config.async_scheduling and hasattr(model, "launch") and config.num_scheduler_steps == 1
         self._inflight = None  # (SchedulerOutput, LaunchedStep) of the step on the device
         self._next: SchedulerOutput | None = None  # step k+1, scheduled while step k runs
 

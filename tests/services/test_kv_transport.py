@@ -70,14 +70,15 @@ def drive(kv, steps: int, seed: int, preemption_mode: str, after_commit=None) ->
             if after_commit:
                 after_commit()
         log.append(repr(out.step))
-        sched.update(out)
-        for s in out.scheduled:
+        for s in out.scheduled:  # the engine's order: read the tokens back, then update
             req = s.request
             if s.sample and not req.finished:
+                req.num_pending -= 1
                 req.token_ids.append(rng.randrange(100))
                 if req.num_output_tokens >= req.sampling.max_tokens:
                     sched.finish(req, "length")
                     reqs.pop(req.request_id, None)
+        sched.update(out)
     for req in list(reqs.values()):
         sched.finish(req, "abort")
     if isinstance(kv, KVClient):

@@ -59,8 +59,9 @@ class Streams:
             time.sleep(0.01)
 
     def join(self, timeout: float) -> dict[int, object]:
+        deadline = time.monotonic() + timeout
         for t in self.threads:
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
         assert not any(t.is_alive() for t in self.threads), "a client hung"
         return self.results
 
