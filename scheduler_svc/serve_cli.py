@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +78,16 @@ def child_argv(args: argparse.Namespace, kind: str) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from scheduler_svc.cli import UsageError
-
     try:
         config = config_from_args(args)
-    except (ValueError, OSError) as exc:
-        raise UsageError(str(exc)) from None
+    except (ValueError, OSError) as exc:  # one line, exit status 2 (as the CLI's UsageError)
+        print(f"picovllm: error: {exc}", file=sys.stderr)
+        return 2
+    dirs = {"model": [config.model.model], "scheduler": [config.tokenizer], "all": [config.model.model, config.tokenizer]}
+    missing = [d for d in dirs.get(args.kind, []) if not Path(d).is_dir()]
+    if missing:
+        print(f"picovllm: error: model directory not found: {missing[0]}", file=sys.stderr)
+        return 2
     if args.kind == "all":
         return serve_all(args)
     if args.kind == "kvcache":

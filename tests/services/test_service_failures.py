@@ -21,7 +21,9 @@ STREAM_PROMPTS = [f"Once upon a time {i}" for i in range(6)] + ["Lily and Tom we
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, redis_server):
-    s = Stack(tmp_path_factory.mktemp("svc-redis"), redis_url=redis_server.url, deployment="failures" + uuid.uuid4().hex[:8])
+    # Multi-step decoding on here (embedded runs single-step): the tokens must not change.
+    s = Stack(tmp_path_factory.mktemp("svc-redis"), redis_url=redis_server.url, deployment="failures" + uuid.uuid4().hex[:8],
+              scheduler_args=["--num-scheduler-steps", "4"])
     yield s
     s.close()
 
