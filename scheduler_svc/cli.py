@@ -154,4 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Through the package module, so plugins' `UsageError` is the same class as main()'s.
+    from scheduler_svc.cli import main as _main
+
+    sys.exit(_main())

@@ -78,3 +78,21 @@ def check(channel: grpc.Channel, service: str = "", timeout: float = 1.0) -> int
     call = channel.unary_unary(f"/{SERVICE_NAME}/Check", request_serializer=HealthCheckRequest.SerializeToString,
                                response_deserializer=HealthCheckResponse.FromString)
     return call(HealthCheckRequest(service=service), timeout=timeout).status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m scheduler_svc.health HOST:PORT [SERVICE]`: exit 0 when it answers SERVING
+    (the containers' healthcheck)."""
+    import sys
+
+    from scheduler_svc.rpc import check_health
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print("usage: python -m scheduler_svc.health HOST:PORT [SERVICE]", file=sys.stderr)
+        return 2
+    return 0 if check_health(args[0], args[1] if len(args) > 1 else "", timeout=3.0) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

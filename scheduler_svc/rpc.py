@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -76,6 +77,9 @@ async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grp
     health_servicer = _add_health(server)
     names = tuple(name for _, _, name in services)
     _add_reflection(server, names)
+    # PICOVLLM_LISTEN (set by `serve --listen`) binds elsewhere than the address peers dial,
+    # e.g. 0.0.0.0:50052 inside a container that others reach as kvcache:50052.
+    address = os.environ.get("PICOVLLM_LISTEN") or address
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for flag, (section, key, typ) in FLAGS.items():
         p.add_argument(flag, type=typ, default=None, help=f"{section}.{key}")
     p.add_argument("--no-prefix-caching", action="store_true", help="scheduler.enable_prefix_caching = false")
+    p.add_argument("--listen", default=None, help="bind this address instead of the service's own (e.g. 0.0.0.0:50052 in a container)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -88,6 +90,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if missing:
         print(f"picovllm: error: model directory not found: {missing[0]}", file=sys.stderr)
         return 2
+    if args.listen:
+        if args.kind == "all":
+            print("picovllm: error: --listen applies to one service, not 'all'", file=sys.stderr)
+            return 2
+        os.environ["PICOVLLM_LISTEN"] = args.listen
     if args.kind == "all":
         return serve_all(args)
     if args.kind == "kvcache":
