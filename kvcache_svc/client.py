@@ -7,6 +7,11 @@ replays them on its authoritative copy, persists them and answers; the answers m
 the local ones (the manager is deterministic). A mismatch, or a service that lost its
 state, raises KVOutOfSync after resyncing the local copy from the service's state.
 
+`start_commit()` is commit() in two halves, so the engine can run the model step while
+ApplyStep is on the wire: the caller acts on local answers the service has not confirmed
+yet. A mismatch found for such a batch therefore resets the pools instead of adopting the
+service's state (the model may have written blocks the service holds as cached prefixes).
+
 Transports: `InProcessTransport` (a KVCacheService in this process) and `GrpcTransport`.
 Embedded mode uses KVCacheManager directly and records nothing.
 """
@@ -17,6 +22,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import grpc
@@ -47,6 +53,10 @@ class KVOutOfSync(FailedPrecondition):
 class KVTransport(Protocol):
     def apply_step(self, step: int, ops: list[Op], retry_until: float, timeout: float) -> list[OpResult]: ...
 
+    def start_apply_step(self, step: int, ops: list[Op], timeout: float) -> Callable[[float], list[OpResult]]:
+        """Send now; the returned function (given the retry deadline) waits for the answer."""
+        ...
+
     def get_state(self, retry_until: float, timeout: float) -> KVState: ...
 
 
@@ -69,6 +79,7 @@ class KVClient:
         self._batches: deque[_Batch] = deque()
         self._next_step = 1
         self._needs_resync = False
+        self._unconfirmed = False  # local answers were acted on before the service confirmed them
         self.num_commits = 0
         self.commit_seconds = 0.0
 
@@ -156,29 +167,58 @@ class KVClient:
         """Send what was recorded since the last commit (and any batch a failed commit left),
         in order. Raises KVUnavailable when the service stays down for the retry window
         (the batches are kept and re-sent next time) and KVOutOfSync after a resync."""
-        if self._needs_resync:  # an earlier resync could not reach the service
-            self._resync()
-            raise KVOutOfSync("resynced from the service after an earlier mismatch")
+        self._commit(timeout, None)
+
+    def start_commit(self, timeout: float | None = None) -> Callable[[], None]:
+        """Send the recorded batch now and return a function that waits for its answer and
+        raises what commit() raises. The caller may act on the local answers meanwhile (see
+        the module docstring); it must call the function before the next commit."""
+        start = time.monotonic()
+        sent = None
+        if not self._needs_resync:
+            self._seal()
+            if len(self._batches) == 1:  # the usual case; re-sends of older batches go one by one in _commit
+                batch = self._batches[0]
+                sent = self.transport.start_apply_step(batch.step, batch.ops, self._rpc_timeout(timeout))
+        self.commit_seconds += time.monotonic() - start
+        self._unconfirmed = True
+        return lambda: self._commit(timeout, sent)
+
+    def _seal(self) -> None:
         if self._ops:
             self._batches.append(_Batch(self._next_step, self._ops, self._expected))
             self._next_step += 1
             self._ops, self._expected = [], []
-        start = time.monotonic()
-        retry_until = start + self.retry_window_s
-        timeout = self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
+
+    def _rpc_timeout(self, timeout: float | None) -> float:
+        return self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
+
+    def _commit(self, timeout: float | None, sent: Callable[[float], list[OpResult]] | None) -> None:
+        """`sent`: the answer of the first batch, already sent by start_commit()."""
+        if self._needs_resync:  # an earlier resync could not reach the service
+            self._resync()
+            raise KVOutOfSync("resynced from the service after an earlier mismatch")
+        self._seal()
+        resumed = time.monotonic()
+        retry_until = resumed + self.retry_window_s  # from now: the model step may have outlasted a window
+        timeout = self._rpc_timeout(timeout)
         try:
             while self._batches:
                 batch = self._batches[0]
                 try:
-                    results = self.transport.apply_step(batch.step, batch.ops, retry_until, timeout)
+                    if sent is not None:
+                        results, sent = sent(retry_until), None
+                    else:
+                        results = self.transport.apply_step(batch.step, batch.ops, retry_until, timeout)
                 except FailedPrecondition as exc:
                     self._out_of_sync(f"the service refused step {batch.step}: {exc}")
                 if results != batch.expected:
                     self._out_of_sync(f"step {batch.step}: the service answered {_first_diff(results, batch.expected)}")
                 self._batches.popleft()
                 self.num_commits += 1
+            self._unconfirmed = False
         finally:
-            self.commit_seconds += time.monotonic() - start
+            self.commit_seconds += time.monotonic() - resumed
 
     def _out_of_sync(self, why: str) -> None:
         logger.error("KV-cache client out of sync: %s; resyncing from the service", why)
@@ -191,7 +231,11 @@ class KVClient:
         state = self.transport.get_state(time.monotonic() + self.retry_window_s, self.rpc_timeout_s)
         self._drop_pending(state.step)
         self._needs_resync = False
-        if self.config is not None and state.config == self.config:
+        # Blocks the caller acted on before confirmation may be cached prefixes in the
+        # service's state, now overwritten on the model side: do not adopt their hashes.
+        adopt = not self._unconfirmed
+        self._unconfirmed = False
+        if self.config is not None and state.config == self.config and adopt:
             self._manager = import_state(state)
         elif self.config is not None:
             self.reset(self.config)
@@ -224,6 +268,11 @@ class InProcessTransport:
         results = self.service.apply_step(step, wire_ops)
         return [convert.result_from_pb(r) for r in convert.step_response(step, results).results]
 
+    def start_apply_step(self, step: int, ops: list[Op], timeout: float) -> Callable[[float], list[OpResult]]:
+        # Applied when the answer is awaited, i.e. after the caller's model step: the order
+        # a slow wire gives, so tests see the engine act on unconfirmed answers.
+        return lambda retry_until: self.apply_step(step, ops, retry_until, timeout)
+
     def get_state(self, retry_until: float, timeout: float) -> KVState:
         return convert.state_from_pb(convert.state_to_pb(self.service.get_state()))
 
@@ -237,9 +286,22 @@ class GrpcTransport:
         self.stub = pb_grpc.KVCacheServiceStub(self.channel)
 
     def apply_step(self, step: int, ops: list[Op], retry_until: float, timeout: float) -> list[OpResult]:
-        request = pb.ApplyStepRequest(step=step, ops=[convert.op_to_pb(op) for op in ops])
+        request = convert.step_request(step, ops)
         resp = call_with_retry(self.stub.ApplyStep, request, retry_until, timeout, f"kvcache {self.address} ApplyStep", KVUnavailable)
         return [convert.result_from_pb(r) for r in resp.results]
+
+    def start_apply_step(self, step: int, ops: list[Op], timeout: float) -> Callable[[float], list[OpResult]]:
+        # A gRPC future: the call is on the wire (and the service works on it) while the
+        # caller runs the model step; a failed first attempt is retried when awaited.
+        request = convert.step_request(step, ops)
+        sent = self.stub.ApplyStep.future(request, timeout=timeout)
+
+        def wait(retry_until: float) -> list[OpResult]:
+            resp = call_with_retry(self.stub.ApplyStep, request, retry_until, timeout, f"kvcache {self.address} ApplyStep",
+                                   KVUnavailable, sent)
+            return [convert.result_from_pb(r) for r in resp.results]
+
+        return wait
 
     def get_state(self, retry_until: float, timeout: float) -> KVState:
         resp = call_with_retry(self.stub.GetState, pb.GetStateRequest(), retry_until, timeout, f"kvcache {self.address} GetState", KVUnavailable)

@@ -56,6 +56,18 @@ def op_to_pb(op: Op) -> pb.BlockOp:
     raise TypeError(f"not a block op: {op!r}")
 
 
+def step_request(step: int, ops: list[Op]) -> pb.ApplyStepRequest:
+    m = pb.ApplyStepRequest(step=step)
+    add = m.ops.add
+    for op in ops:
+        if type(op) is AppendSlotsOp:  # one per running sequence per step: filled in place, no message copy
+            a = add().append_slots
+            a.seq_id, a.num_computed_tokens, a.num_new_tokens = op.seq_id, op.num_computed_tokens, op.num_new_tokens
+        else:
+            m.ops.append(op_to_pb(op))
+    return m
+
+
 def op_from_pb(m: pb.BlockOp) -> Op:
     kind = m.WhichOneof("op")
     if kind == "append_slots":
@@ -93,6 +105,10 @@ def result_to_pb(r: OpResult) -> pb.OpResult:
     if r is None:
         return pb.OpResult()
     if isinstance(r, Appended):
+        if not (r.new_block_ids or r.copies or r.replaced):  # most decode steps: skip building empty lists
+            m = pb.OpResult()
+            m.appended.SetInParent()
+            return m
         return pb.OpResult(appended=pb.AppendResult(
             new_block_ids=r.new_block_ids, copies=_copies_to_pb(r.copies),
             replaced_index=[i for i, _ in r.replaced], replaced_block=[b for _, b in r.replaced]))
@@ -109,6 +125,8 @@ def result_from_pb(m: pb.OpResult) -> OpResult:
         return None
     if kind == "appended":
         a = m.appended
+        if not (a.new_block_ids or a.replaced_index or a.copies.src):  # most decode steps: nothing to zip
+            return Appended([], [], [])
         return Appended(list(a.new_block_ids), _copies_from_pb(a.copies), list(zip(a.replaced_index, a.replaced_block)))
     if kind == "allocated":
         a = m.allocated
@@ -120,7 +138,16 @@ def result_from_pb(m: pb.OpResult) -> OpResult:
 
 
 def step_response(step: int, results: list[OpResult]) -> pb.ApplyStepResponse:
-    return pb.ApplyStepResponse(step=step, results=[result_to_pb(r) for r in results])
+    m = pb.ApplyStepResponse(step=step)
+    add = m.results.add
+    for r in results:
+        if r is None:  # add() in place: about half the cost of building and copying a message per result
+            add()
+        elif isinstance(r, Appended) and not (r.new_block_ids or r.copies or r.replaced):
+            add().appended.SetInParent()
+        else:
+            m.results.append(result_to_pb(r))
+    return m
 
 
 # ----------------------------------------------------------------- state

@@ -29,7 +29,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     async def ApplyStep(self, request: pb.ApplyStepRequest, context) -> pb.ApplyStepResponse:
         ops = [convert.op_from_pb(op) for op in request.ops]
         results = self.service.apply_step(request.step, ops)
-        return convert.step_response(request.step, results)
+        return self.service.response(request.step, results)  # the persisted message: not converted twice
 
     async def GetState(self, request: pb.GetStateRequest, context) -> pb.GetStateResponse:
         return pb.GetStateResponse(state=convert.state_to_pb(self.service.get_state()))

@@ -46,6 +46,7 @@ class KVCacheService:
         self.manager: KVCacheManager | None = None
         self.step = 0
         self.last_results: list[OpResult] | None = None
+        self.last_response: pb.ApplyStepResponse | None = None  # last_results as sent: built once per step
         self._stale = False  # a failed store write left the manager ahead of the store
 
     # ----------------------------------------------------------------- load
@@ -53,7 +54,7 @@ class KVCacheService:
         """Reload the stored state (Redis); with none, or one that does not check out, start
         with no pools (the scheduler's first step resets them)."""
         loaded = self.store.load()
-        self.config, self.manager, self.last_results = None, None, None
+        self.config, self.manager, self.last_results, self.last_response = None, None, None, None
         if loaded is None:
             self._stale = False
             return
@@ -69,6 +70,7 @@ class KVCacheService:
             msg = pb.ApplyStepResponse.FromString(blob)
             if msg.step == self.step:
                 self.last_results = [convert.result_from_pb(r) for r in msg.results]
+                self.last_response = msg
         self._stale = False
         logger.info("KV state loaded: step %d, %s, %d sequences", self.step,
                     self.config or "no pools", len(self.manager.seqs) if self.manager else 0)
@@ -96,12 +98,20 @@ class KVCacheService:
         except Exception as exc:  # noqa: BLE001 - out of step with the scheduler
             self._drop_state(f"step {step} does not apply: {exc!r}")
             raise FailedPrecondition(f"step {step} does not apply to the KV state ({exc!r}); resync") from None
-        self._persist(step, results, full_write, dirty_seqs)
-        self.step, self.last_results = step, results
+        response = self._persist(step, results, full_write, dirty_seqs)
+        self.step, self.last_results, self.last_response = step, results, response
         return results
 
-    def _persist(self, step: int, results: list[OpResult], full_write: bool, dirty_seqs: set[str]) -> None:
-        blob = convert.step_response(step, results).SerializeToString()
+    def response(self, step: int, results: list[OpResult]) -> pb.ApplyStepResponse:
+        """The answer to ApplyStep(step): the message persisted with the step when these are
+        its results (built once per step, for the store and the reply)."""
+        if self.last_response is not None and self.last_response.step == step and results is self.last_results:
+            return self.last_response
+        return convert.step_response(step, results)
+
+    def _persist(self, step: int, results: list[OpResult], full_write: bool, dirty_seqs: set[str]) -> pb.ApplyStepResponse:
+        response = convert.step_response(step, results)
+        blob = response.SerializeToString()
         try:
             if full_write:
                 self.store.write_full(export_state(self.manager, self.config, step), blob)
@@ -113,6 +123,7 @@ class KVCacheService:
         finally:
             if self.manager is not None:
                 clear_dirty(self.manager)
+        return response
 
     def _reload_or_unavailable(self) -> None:
         try:
@@ -131,7 +142,7 @@ class KVCacheService:
                 return
             except Exception:  # noqa: BLE001 - retried on the next call
                 pass
-        self.config, self.manager, self.last_results = None, None, None
+        self.config, self.manager, self.last_results, self.last_response = None, None, None, None
 
     # ----------------------------------------------------------------- queries
     def get_state(self) -> KVState:

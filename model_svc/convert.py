@@ -38,8 +38,12 @@ def sampling_from_pb(m: pb.SamplingParams) -> Any:
     )
 
 
-def seq_to_pb(s: SeqStep) -> pb.SeqStep:
-    m = pb.SeqStep(seq_id=s.seq_id, token_ids=s.token_ids, start_pos=s.start_pos, sample=s.sample)
+def seq_to_pb(s: SeqStep, m: pb.SeqStep | None = None) -> pb.SeqStep:
+    """Fills `m` (a message added in place to its step: no copy) or a new message."""
+    if m is None:
+        m = pb.SeqStep()
+    m.seq_id, m.start_pos, m.sample = s.seq_id, s.start_pos, s.sample
+    m.token_ids.extend(s.token_ids)
     if s.table_blocks is not None:
         m.table_changed, m.table_start = True, s.table_start
         m.table_blocks.extend(s.table_blocks)
@@ -59,10 +63,15 @@ def seq_from_pb(m: pb.SeqStep) -> SeqStep:
 
 
 def step_to_pb(inp: StepInput, expected_epoch: str) -> pb.StepRequest:
-    return pb.StepRequest(
-        expected_epoch=expected_epoch, seqs=[seq_to_pb(s) for s in inp.seqs], swap_out=_copies_to_pb(inp.swap_out),
-        copies=_copies_to_pb(inp.copies), swap_in=_copies_to_pb(inp.swap_in), finished=inp.finished, num_steps=inp.num_steps,
-    )
+    m = pb.StepRequest(expected_epoch=expected_epoch, finished=inp.finished, num_steps=inp.num_steps)
+    add = m.seqs.add
+    for s in inp.seqs:  # filled in place: building each SeqStep and copying it in costs twice as much
+        seq_to_pb(s, add())
+    for name in ("swap_out", "copies", "swap_in"):  # usually empty: an unset message reads as no pairs
+        pairs = getattr(inp, name)
+        if pairs:
+            getattr(m, name).CopyFrom(_copies_to_pb(pairs))
+    return m
 
 
 def step_from_pb(m: pb.StepRequest) -> StepInput:
@@ -71,17 +80,26 @@ def step_from_pb(m: pb.StepRequest) -> StepInput:
 
 
 def output_to_pb(out: StepOutput, epoch: str) -> pb.StepResponse:
-    sampled = []
-    for t in out.sampled:
-        m = pb.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob, extra_token_ids=t.extra_token_ids)
-        m.top_logprobs.extend(pb.TokenLogprob(token_id=i, logprob=lp) for i, lp in t.top_logprobs or ())
-        sampled.append(m)
-    return pb.StepResponse(epoch=epoch, sampled=sampled)
+    resp = pb.StepResponse(epoch=epoch)
+    add = resp.sampled.add
+    for t in out.sampled:  # filled in place, optional parts only when present (most steps: one greedy token each)
+        m = add()
+        m.seq_id, m.token_id = t.seq_id, t.token_id
+        if t.logprob is not None:
+            m.logprob = t.logprob
+        if t.extra_token_ids:
+            m.extra_token_ids.extend(t.extra_token_ids)
+        if t.top_logprobs:
+            m.top_logprobs.extend(pb.TokenLogprob(token_id=i, logprob=lp) for i, lp in t.top_logprobs)
+    return resp
 
 
 def output_from_pb(m: pb.StepResponse) -> StepOutput:
     sampled = []
     for t in m.sampled:
+        if not t.HasField("logprob") and not t.extra_token_ids:  # the common case: skip the optional parts
+            sampled.append(SampledToken(t.seq_id, t.token_id))
+            continue
         logprob = t.logprob if t.HasField("logprob") else None
         top = [(x.token_id, x.logprob) for x in t.top_logprobs] if logprob is not None else None
         sampled.append(SampledToken(t.seq_id, t.token_id, logprob, top, list(t.extra_token_ids)))

@@ -116,10 +116,11 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def call_with_retry(method: Callable[..., Any], request: Any, retry_until: float, timeout: float, what: str,
-                    unavailable: type[Exception]) -> Any:
+                    unavailable: type[Exception], sent: grpc.Future | None = None) -> Any:
     """Call a unary method; while the peer is down (UNAVAILABLE, or no answer in time) retry
     with backoff until `retry_until` (monotonic), then raise `unavailable`. Other statuses
-    become the domain error they stand for."""
+    become the domain error they stand for. `sent`: the first attempt, already on the wire
+    (`method.future(request, timeout=timeout)`): its answer is awaited instead of calling."""
     delay, attempt = 0.02, 0
     while True:
         now = time.monotonic()
@@ -127,6 +128,8 @@ def call_with_retry(method: Callable[..., Any], request: Any, retry_until: float
         # but never past the retry window.
         t = timeout if attempt == 0 else max(0.05, min(timeout, retry_until - now))
         try:
+            if attempt == 0 and sent is not None:
+                return sent.result()  # a failed call raises its RpcError here
             return method(request, timeout=t, wait_for_ready=attempt > 0)
         except grpc.RpcError as err:
             if err.code() not in RETRYABLE:

@@ -10,7 +10,8 @@ import zlib
 
 import pytest
 
-from kvcache_svc.client import InProcessTransport, KVClient
+from kvcache_svc.client import InProcessTransport, KVClient, KVUnavailable
+from kvcache_svc.ops import AllocateOp
 from kvcache_svc.service import KVCacheService
 from kvcache_svc.store import MemoryStore
 from model_svc.client import ModelRestarted, ModelUnavailable, RemoteModelConfig, RemoteModelInfo
@@ -184,4 +185,56 @@ def test_abort_while_the_model_is_down_frees_blocks(reference):
     out = run(engine, disturb)
     assert out == {"r0": reference["r0"], "r2": reference["r2"]}
     assert aborted[0].finish_reason == "abort" and len(aborted[0].token_ids) < 20
+    assert_clean(service)
+
+
+class FlakyTransport(InProcessTransport):
+    """ApplyStep fails (KVUnavailable) while `down` > 0."""
+
+    def __init__(self, service: KVCacheService) -> None:
+        super().__init__(service)
+        self.down = 0
+
+    def apply_step(self, step, ops, retry_until, timeout):
+        if self.down:
+            self.down -= 1
+            raise KVUnavailable("kvcache is down")
+        return super().apply_step(step, ops, retry_until, timeout)
+
+
+def test_kv_down_after_the_model_answered_keeps_the_answer(reference):
+    """ApplyStep is answered after the model step: a KV service that is down then keeps the
+    model's answer with the step, and the model is not asked twice."""
+    undisturbed = ScriptedModel()
+    run(make_engine(undisturbed)[0])
+    model = ScriptedModel()
+    engine, service = make_engine(model)
+    engine.kv.transport = flaky = FlakyTransport(service)
+
+    def disturb(n: int) -> None:
+        if n == 5:
+            flaky.down = 3
+
+    assert run(engine, disturb) == reference
+    assert len(model.timeouts) == len(undisturbed.timeouts)  # one model call per step, none repeated
+    assert engine.num_recoveries == 0
+    assert_clean(service)
+
+
+def test_mismatch_after_the_model_ran_resets_instead_of_adopting(reference):
+    """The model has written the step's blocks before the service's answer showed a
+    mismatch: the service's cached blocks may be stale, so the pools are reset."""
+    model = ScriptedModel()
+    engine, service = make_engine(model)
+
+    managers = []
+
+    def disturb(n: int) -> None:
+        if n == 6:  # behind the client's back: the next answers differ from the local ones
+            service.apply_step(service.step + 1, [AllocateOp("intruder", [1, 2, 3], 3)])
+            managers.append(service.manager)
+
+    assert run(engine, disturb) == reference
+    assert engine.num_recoveries == 1
+    assert service.manager is not managers[0]  # the pools were reset, not adopted
     assert_clean(service)
