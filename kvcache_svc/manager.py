@@ -136,16 +136,12 @@ class KVCacheManager:
         for block_id in hit.block_ids:
             self.device.acquire(block_id)
         block_ids = hit.block_ids + self.device.allocate(num_needed)
-        self.seqs[seq_id] = SeqBlocks(Tier.DEVICE, block_ids, extra_key, len(hit.block_ids), self._chain_hash(hit, token_ids, extra_key))
+        last_hash = self.device.blocks[hit.block_ids[-1]].block_hash if hit.block_ids else None  # the chain continues from the hit
+        self.seqs[seq_id] = SeqBlocks(Tier.DEVICE, block_ids, extra_key, len(hit.block_ids), last_hash)
         if self.enable_prefix_caching:
             self.num_prefix_queries += len(token_ids)
             self.num_prefix_hits += hit.num_tokens
         return Allocated(hit.num_tokens, num_new_tokens, list(block_ids))
-
-    def _chain_hash(self, hit: PrefixHit, token_ids: list[int], extra_key: str | None) -> int | None:
-        if not hit.block_ids:
-            return None
-        return self.device.blocks[hit.block_ids[-1]].block_hash
 
     def append_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> Appended | NoFreeBlocks:
         """Make room to write positions [num_computed, num_computed + num_new). A block that
