@@ -29,7 +29,7 @@ from bench.throughput import make_workload  # noqa: E402
 class StubModel(torch.nn.Module):
     """Shapes of the real model, no arithmetic: hidden states of zeros, random logits."""
 
-    def __init__(self, config, vocab: int = 1024) -> None:
+    def __init__(self, config, vocab: int = 64) -> None:
         super().__init__()
         self.config = config
         self.vocab = vocab
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
+    torch.set_num_threads(1)  # the host's Python is what is measured, not CPU math threads
 
     from model_svc.config import ModelConfig
     from model_svc.runner import ModelRunner

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import grpc
@@ -284,6 +285,7 @@ class GrpcTransport:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.KVCacheServiceStub(self.channel)
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-apply-step")
 
     def apply_step(self, step: int, ops: list[Op], retry_until: float, timeout: float) -> list[OpResult]:
         request = convert.step_request(step, ops)
@@ -291,10 +293,11 @@ class GrpcTransport:
         return [convert.result_from_pb(r) for r in resp.results]
 
     def start_apply_step(self, step: int, ops: list[Op], timeout: float) -> Callable[[float], list[OpResult]]:
-        # A gRPC future: the call is on the wire (and the service works on it) while the
-        # caller runs the model step; a failed first attempt is retried when awaited.
+        # The first attempt runs on a long-lived sender thread while the caller runs the
+        # model step; a failed one is retried when awaited. Not a gRPC `.future()`: that
+        # measured ~1 ms to issue on the CPU (a thread start per call), the hand-off ~0.05 ms.
         request = convert.step_request(step, ops)
-        sent = self.stub.ApplyStep.future(request, timeout=timeout)
+        sent = self._sender.submit(self.stub.ApplyStep, request, timeout=timeout)
 
         def wait(retry_until: float) -> list[OpResult]:
             resp = call_with_retry(self.stub.ApplyStep, request, retry_until, timeout, f"kvcache {self.address} ApplyStep",
@@ -308,4 +311,5 @@ class GrpcTransport:
         return convert.state_from_pb(resp.state)
 
     def close(self) -> None:
+        self._sender.shutdown(wait=True)
         self.channel.close()

@@ -150,6 +150,10 @@ class KVCacheManager:
         assert seq.tier == Tier.DEVICE, f"sequence {seq_id} is swapped out"
         pool, bs = self.device, self.block_size
         first_written = num_computed_tokens // bs
+        blocks = seq.block_ids
+        if first_written == len(blocks) - 1 and num_computed_tokens + num_new_tokens <= len(blocks) * bs \
+                and pool.blocks[blocks[first_written]].ref_count == 1:
+            return Appended([])  # the common decode: room left in an unshared last block
         shared = [i for i in range(first_written, len(seq.block_ids)) if pool.blocks[seq.block_ids[i]].ref_count > 1]
         num_grow = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - len(seq.block_ids))
         num_needed = num_grow + len(shared)

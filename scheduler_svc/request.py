@@ -29,6 +29,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_pending: int = 0  # tokens sampled (or being sampled) on the device, not yet read back
     sent_table: list[int] = field(default_factory=list)  # the block table the model side has
+    table_replaced: bool = False  # entries of the table changed (copy-on-write, swap-in): diff it whole
     sent_sampling: bool = False  # the model side knows this sequence
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

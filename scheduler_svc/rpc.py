@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,11 +117,11 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def call_with_retry(method: Callable[..., Any], request: Any, retry_until: float, timeout: float, what: str,
-                    unavailable: type[Exception], sent: grpc.Future | None = None) -> Any:
+                    unavailable: type[Exception], sent: Future | None = None) -> Any:
     """Call a unary method; while the peer is down (UNAVAILABLE, or no answer in time) retry
     with backoff until `retry_until` (monotonic), then raise `unavailable`. Other statuses
     become the domain error they stand for. `sent`: the first attempt, already on the wire
-    (`method.future(request, timeout=timeout)`): its answer is awaited instead of calling."""
+    (`method(request, timeout=timeout)` on another thread): its answer is awaited instead of calling."""
     delay, attempt = 0.02, 0
     while True:
         now = time.monotonic()

@@ -134,6 +134,7 @@ class Scheduler:
             if isinstance(result, NoFreeBlocks):
                 break  # req itself was preempted (it was the newest)
             out.step.copies.extend(result.copies)
+            req.table_replaced |= bool(result.replaced)
             self._schedule_seq(out, req, num_new)
             budget -= num_new
             i += 1
@@ -172,17 +173,30 @@ class Scheduler:
             req = s.request
             result = self.kv.append_slots(req.request_id, req.num_computed_tokens, steps)
             assert not isinstance(result, NoFreeBlocks) and not result.copies, "reserved blocks were counted"
+            req.table_replaced |= bool(result.replaced)
         out.step.num_steps = steps
         self._resend_table_tails(out)
 
     def _resend_table_tails(self, out: SchedulerOutput) -> None:
         for seq, s in zip(out.step.seqs, out.scheduled):
-            req = s.request
-            table = self.kv.block_table(req.request_id)
-            if len(table) > len(req.sent_table):
-                start = seq.table_start if seq.table_blocks is not None else len(req.sent_table)
-                seq.table_start, seq.table_blocks = start, table[start:]
-                req.sent_table = list(table)
+            self._diff_table(s.request, seq)
+
+    def _diff_table(self, req: Request, seq: SeqStep) -> None:
+        """Put into `seq` what the model side's copy of the table lacks. Tables only grow at
+        the end, except where copy-on-write or a swap-in replaced entries (flagged)."""
+        table = self.kv.block_table(req.request_id)
+        sent = req.sent_table
+        if req.table_replaced:
+            first = next((k for k, (a, b) in enumerate(zip(table, sent)) if a != b), min(len(table), len(sent)))
+            req.table_replaced = False
+        elif len(table) > len(sent):
+            first = len(sent)
+        else:
+            return
+        if seq.table_blocks is not None:  # already diffed this step (multi-step reserved more)
+            first = min(first, seq.table_start)
+        seq.table_start, seq.table_blocks = first, table[first:]
+        req.sent_table = list(table)
 
     def _finishes_by_length(self, req: Request) -> bool:
         return req.num_output_tokens + req.num_pending >= req.sampling.max_tokens or req.num_tokens + req.num_pending >= self.config.max_model_len
@@ -197,12 +211,7 @@ class Scheduler:
         if sample:
             req.num_pending += 1
         seq = SeqStep(req.request_id, tokens, start, sample)
-        table = self.kv.block_table(req.request_id)
-        sent = req.sent_table
-        if len(table) != len(sent) or table[: len(sent)] != sent:
-            first = next((k for k, (a, b) in enumerate(zip(table, sent)) if a != b), min(len(table), len(sent)))
-            seq.table_start, seq.table_blocks = first, table[first:]
-            req.sent_table = list(table)
+        self._diff_table(req, seq)
         if not req.sent_sampling:
             seq.sampling, seq.prompt_token_ids = req.sampling, req.prompt_token_ids
             req.sent_sampling = True
@@ -240,6 +249,7 @@ class Scheduler:
             self.swapped.popleft()
             out.step.swap_in.extend(copies)
             self.stats.num_swapped_in_blocks += len(copies)
+            req.table_replaced = True
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             result = self.kv.append_slots(req.request_id, req.num_computed_tokens, num_new)
             assert not isinstance(result, NoFreeBlocks)
