@@ -12,6 +12,8 @@ takes the same steps in each):
 - service, Generate: a scheduler process too; all requests streamed concurrently through
   the public API (what a user sees).
 The RPC overhead of a step is ApplyStep's time plus (remote Step time - local model time).
+ApplyStep's time is what the engine spends on it outside the model call (sending it, and
+waiting for an answer still missing once the model step is back): it overlaps the model call.
 """
 
 from __future__ import annotations
@@ -262,7 +264,8 @@ def main() -> None:
             lines.append(f"| {name.split('(')[1].split()[0]} | {r['apply_ms']:.3f} | {r['step_ms']:.3f} | {base['model_ms']:.3f} "
                          f"| {r['empty_step_ms']:.3f} | {overhead:.3f} |")
     lines += ["", "RPC overhead = ApplyStep + remote Step - local model time (the KV ops on the scheduler's local copy "
-              "cost the same in both modes). Each figure is from the median of the runs; the services share the machine's "
+              "cost the same in both modes). ApplyStep overlaps the model call: its column is the engine's time spent on it "
+              "outside that call. Each figure is from the median of the runs; the services share the machine's "
               "cores with the benchmark, so compare figures as ratios within one run."]
     body = "\n".join(lines)
     print(body)

@@ -21,9 +21,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
