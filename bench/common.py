@@ -50,6 +50,7 @@ def build_runner(model: str, device: str, dtype: str | None, **runner_kwargs):
         config = ModelConfig.from_pretrained(path)
         prebuilt = build_random_model(config, torch_dtype, dev, ops=select_ops(dev, runner_kwargs.get("kernel_backend")))
     runner = ModelRunner(path, device=dev, dtype=torch_dtype, model=prebuilt, **runner_kwargs)
+    runner.model_path, runner.random_weights = path, random_weights  # for benches that reload it elsewhere
     return path, runner
 
 

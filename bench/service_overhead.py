@@ -97,12 +97,14 @@ def bench_embedded(prompts, max_tokens, repeats: int) -> dict:
 class Services:
     """kvcache + model (+ scheduler) processes on free loopback ports."""
 
-    def __init__(self, redis_url: str | None) -> None:
+    def __init__(self, redis_url: str | None, model_args: list[str] | None = None) -> None:
         self.addr = {k: f"127.0.0.1:{free_port()}" for k in ("scheduler", "kvcache", "model")}
         self.common = [f"--{k}-addr={v}" for k, v in self.addr.items()]
         self.procs: list[subprocess.Popen] = []
         self.start("kvcache", *([f"--redis-url={redis_url}", f"--deployment=bench{free_port()}"] if redis_url else []))
-        self.start("model", "--device=cpu", "--torch-threads=1", f"--num-gpu-blocks={NUM_DEVICE_BLOCKS}", f"--num-cpu-blocks={NUM_HOST_BLOCKS}")
+        if model_args is None:
+            model_args = ["--device=cpu", "--torch-threads=1", f"--num-gpu-blocks={NUM_DEVICE_BLOCKS}", f"--num-cpu-blocks={NUM_HOST_BLOCKS}"]
+        self.start("model", *model_args)
 
     def start(self, kind: str, *args: str) -> None:
         from scheduler_svc.rpc import check_health
@@ -115,10 +117,12 @@ class Services:
                 raise RuntimeError(f"{kind} service did not start")
             time.sleep(0.1)
 
-    def config(self):
+    def config(self, **scheduler):
         from scheduler_svc.service_config import load_config
 
-        return load_config(env={}, overrides={k: {"address": v} for k, v in self.addr.items()})
+        overrides = {k: {"address": v} for k, v in self.addr.items()}
+        overrides["scheduler"].update(scheduler)
+        return load_config(env={}, overrides=overrides)
 
     def close(self) -> None:
         for p in self.procs:

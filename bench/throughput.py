@@ -71,12 +71,51 @@ def run_embedded(args, prompts, params):
     return llm, runner
 
 
+def run_service(args, runner_config_path: str, model=None):
+    """The same workload through the KV-cache and model services (separate processes, gRPC on
+    loopback) with the engine in this process, as the scheduler service runs it. A named
+    config gets its random weights written to a directory first, so the model service
+    loads exactly the weights embedded mode used."""
+    from bench.service_overhead import Services
+    from model_svc.loader import save_model
+    from scheduler_svc.llm import LLM
+    from scheduler_svc.remote_engine import build_service_engine
+
+    path = runner_config_path
+    if model is not None:  # random weights: hand them over through a directory
+        save_model(model, path)
+    model_args = [f"--model={path}", f"--device={args.device}", f"--block-size={args.block_size}",
+                  f"--max-num-seqs={args.max_num_seqs}", f"--max-num-batched-tokens={args.max_num_batched_tokens}"]
+    if args.num_gpu_blocks:
+        model_args.append(f"--num-gpu-blocks={args.num_gpu_blocks}")
+    if args.device == "cpu":
+        model_args.append("--torch-threads=1")
+    services = Services(None, model_args)
+    config = services.config(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             num_scheduler_steps=args.num_scheduler_steps)
+    return LLM.from_engine(build_service_engine(config, skip_tokenizer_init=True)), services
+
+
+def timed_generate(llm, prompts, params, device) -> tuple[float, int]:
+    from scheduler_svc import SamplingParams
+
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, sum(len(o.token_ids) for o in outs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-0.6b", help="'qwen3-0.6b' or 'tiny' (random weights) or a local HF directory")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--mode", default="embedded", choices=["embedded", "service"])
+    ap.add_argument("--mode", default="embedded", choices=["embedded", "service"],
+                    help="service: embedded first, then the same workload through the KV-cache and model services")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=1024, help="max input and output length")
     ap.add_argument("--block-size", type=int, default=16)
@@ -92,6 +131,8 @@ def main() -> None:
 
     env = environment()
     dev = torch.device(args.device)
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # as the model service runs on the CPU: a like-for-like comparison
     prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)
     parity = []
     if args.check:
@@ -99,32 +140,42 @@ def main() -> None:
 
         parity = check_parity(args.model, args.device, args.dtype, near_tie=1e-2)
         print("\n".join(parity))
-    if args.mode != "embedded":
-        raise SystemExit("--mode service: see bench/service_overhead.py")
     llm, runner = run_embedded(args, prompts, params)
-    from scheduler_svc import SamplingParams
-
-    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t
-    num_out = sum(len(o.token_ids) for o in outs)
+    seconds, num_out = timed_generate(llm, prompts, params, dev)
     tok_s = num_out / seconds
+    embedded_steps, embedded_preemptions = llm.engine.scheduler.stats.num_steps, llm.engine.scheduler.stats.num_preemptions
+    num_device_blocks = runner.num_device_blocks
+    service_row = ""
+    if args.mode == "service":  # embedded first (the reference), then the services, same run
+        config_path, model = runner.model_path, runner.model
+        config = runner.config
+        # Free the embedded engine's KV pools and graphs: the model service takes its own.
+        del llm
+        runner.graphs = runner.pools = None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        svc, services = run_service(args, config_path, model if runner.random_weights else None)
+        del model
+        try:
+            svc_seconds, svc_out = timed_generate(svc, prompts, params, torch.device("cpu"))
+        finally:
+            services.close()
+        service_row = (f"| service (3 processes, gRPC) | {svc_out} | {svc_seconds:.2f} | {svc_out / svc_seconds:,.0f} | | "
+                       f"{svc_out / svc_seconds / tok_s:.1%} of embedded | {svc.engine.scheduler.stats.num_steps} | |")
+        runner_config = config
+    else:
+        runner_config = runner.config
     bw, fl = copy_bandwidth(dev), matmul_flops(dev)
-    roof = roofline_tok_s(runner.config, [len(p) for p in prompts], [p.max_tokens for p in params], bw, fl) if dev.type == "cuda" else float("nan")
-    stats = llm.engine.scheduler.stats
+    roof = roofline_tok_s(runner_config, [len(p) for p in prompts], [p.max_tokens for p in params], bw, fl) if dev.type == "cuda" else float("nan")
     lines = [
         "| mode | output tokens | seconds | tok/s | roofline tok/s | fraction | steps | preemptions |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| {args.mode} | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | {stats.num_steps} | {stats.num_preemptions} |",
+        f"| embedded | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | {embedded_steps} | {embedded_preemptions} |",
+        *([service_row] if service_row else []),
         "",
         f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s, "
-        f"device blocks {runner.num_device_blocks}, kernels {runner.ops.name}, cuda graphs {not args.enforce_eager}, "
-        f"scheduler steps {args.num_scheduler_steps}, overlapped scheduling {llm.engine.async_scheduling}",
+        f"device blocks {num_device_blocks}, kernels {runner.ops.name}, cuda graphs {not args.enforce_eager}, "
+        f"scheduler steps {args.num_scheduler_steps}, overlapped scheduling {args.overlap}",
     ]
     if parity:
         lines += ["", "Greedy parity, optimized vs plain path (first 32 tokens, 8 prompts):", *(f"- {r}" for r in parity)]

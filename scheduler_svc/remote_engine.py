@@ -160,9 +160,10 @@ def _drop_finished(sched: SchedulerOutput) -> None:
     sched.step.seqs = [s for s in sched.step.seqs if s.seq_id in live]
 
 
-def build_service_engine(config: Any) -> ServiceEngine:
+def build_service_engine(config: Any, skip_tokenizer_init: bool = False) -> ServiceEngine:
     """Connect to the model and KV-cache services (waiting for them, bounded by the startup
-    timeout) and build the engine. `config` is a service_config.ServiceConfig."""
+    timeout) and build the engine. `config` is a service_config.ServiceConfig;
+    skip_tokenizer_init: token ids in and out only (benchmarks of models without a tokenizer)."""
     from kvcache_svc.client import GrpcTransport
     from model_svc.loader import load_tokenizer
 
@@ -188,10 +189,10 @@ def build_service_engine(config: Any) -> ServiceEngine:
         model=config.tokenizer, block_size=info.block_size, num_gpu_blocks=info.num_device_blocks,
         enable_prefix_caching=s.enable_prefix_caching, enable_chunked_prefill=s.enable_chunked_prefill,
         preemption_mode=s.preemption_mode, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-        max_model_len=s.max_model_len, num_scheduler_steps=s.num_scheduler_steps,
+        max_model_len=s.max_model_len, num_scheduler_steps=s.num_scheduler_steps, skip_tokenizer_init=skip_tokenizer_init,
     )
     logger.info("connected: model %s (epoch %s, %d/%d blocks), kvcache %s (%s state)", info.model, info.epoch,
                 info.num_device_blocks, info.num_host_blocks, config.kvcache.address, "adopted" if adopted else "reset")
-    engine = ServiceEngine(engine_config, model, kv, load_tokenizer(config.tokenizer))
+    engine = ServiceEngine(engine_config, model, kv, None if skip_tokenizer_init else load_tokenizer(config.tokenizer))
     engine.scheduler.pending_finished.extend(leftover)  # the model service forgets them with the first step
     return engine
