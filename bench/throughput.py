@@ -61,6 +61,7 @@ def run_embedded(args, prompts, params):
     path, runner = build_runner(
         args.model, args.device, args.dtype, block_size=args.block_size, num_device_blocks=args.num_gpu_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+        pinned_inputs=args.overlap,
     )
     config = EngineConfig(
         model=path, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,

@@ -54,6 +54,7 @@ class ModelRunner:
         model: torch.nn.Module | None = None,
         enforce_eager: bool = False,
         max_num_seqs: int = 256,
+        pinned_inputs: bool = False,
     ) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(dtype, str):
@@ -77,6 +78,9 @@ class ModelRunner:
         self.graphs = None
         self._last_sampled: torch.Tensor | None = None  # (B,) what the previous step sampled
         self._last_index: dict[str, int] = {}
+        # Step inputs through pinned host memory (non-blocking copies): launch() then never
+        # waits for the step in flight, which overlapped scheduling needs.
+        self.pinned_inputs = pinned_inputs and self.device.type == "cuda"
         if self.device.type == "cuda" and not enforce_eager:
             from model_svc.cuda_graphs import DecodeGraphs
 
@@ -153,7 +157,7 @@ class ModelRunner:
         if not sample_rows:
             return LaunchedStep(self, [], None)
         rows = [r for r, _ in sample_rows]
-        logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[self._h2d(np.asarray(rows, dtype=np.int64))])
         seqs = [s for _, s in sample_rows]
         states = [self.seqs[s.seq_id] for s in seqs]
         params = [st.sampling for st in states]
@@ -161,7 +165,7 @@ class ModelRunner:
         if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
             prompts = [st.token_ids[: st.num_prompt_tokens] for st in states]
             outputs = [st.token_ids[st.num_prompt_tokens :] for st in states]
-        batch = SamplingBatch.build(params, prompts, outputs, [st.generator for st in states], self.device)
+        batch = SamplingBatch.build(params, prompts, outputs, [st.generator for st in states], self.device, self.pinned_inputs)
         result = self.sampler(logits, batch)
         self._remember_sampled(seqs, result.token_ids)
         return LaunchedStep(self, seqs, result.token_ids[:, None], result)
@@ -172,8 +176,14 @@ class ModelRunner:
             rows = [self._last_index[seqs[b].seq_id] for b in seq_index[placeholders].tolist()]
         except (KeyError, AttributeError):
             raise ValueError("a placeholder token for a sequence that was not sampled in the previous step") from None
-        dev = self.device
-        ids_dev[torch.from_numpy(placeholders).to(dev)] = self._last_sampled[torch.tensor(rows, device=dev)]
+        index = self._h2d(np.concatenate([placeholders, np.asarray(rows, dtype=placeholders.dtype)]))
+        ids_dev[index[: len(rows)]] = self._last_sampled[index[len(rows) :]]
+
+    def _h2d(self, array: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if self.pinned_inputs:
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def _remember_sampled(self, seqs: list[SeqStep], token_ids: torch.Tensor) -> None:
         self._last_sampled = token_ids
@@ -191,7 +201,7 @@ class ModelRunner:
         if not meta.is_decode or not all(s.sample for s in inp.seqs):
             raise ValueError("multi-step runs only decode-only batches that sample every sequence")
         states = [self.seqs[s.seq_id] for s in inp.seqs]
-        batch = SamplingBatch.build([st.sampling for st in states], None, None, [st.generator for st in states], self.device)
+        batch = SamplingBatch.build([st.sampling for st in states], None, None, [st.generator for st in states], self.device, self.pinned_inputs)
         bs = self.block_size
         sampled = []
         for k in range(inp.num_steps):
@@ -260,12 +270,11 @@ class ModelRunner:
         states = [self.seqs[s.seq_id] for s in seqs]
         width = max(st.num_blocks for st in states)
         tables = self.block_tables.rows([st.row for st in states], width)
-        dev = self.device
-        packed_dev = torch.from_numpy(packed).to(dev, non_blocking=True)
+        packed_dev = self._h2d(packed)
         placeholders = np.flatnonzero(ids == PLACEHOLDER)
         if placeholders.size:
             self._fill_placeholders(packed_dev[:num_tokens], placeholders, seqs, seq_index)
-        block_tables = torch.from_numpy(tables).to(dev, non_blocking=True)
+        block_tables = self._h2d(tables)
         t = num_tokens
         ids_dev, pos_dev, idx_dev = packed_dev[:t], packed_dev[t : 2 * t], packed_dev[2 * t : 3 * t]
         bs = self.block_size

@@ -22,6 +22,15 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return torch.Generator(device=torch.device(device)).manual_seed(seed)
 
 
+def _to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device | str, pinned: bool) -> torch.Tensor:
+    """A small host list on the device. pinned: through pinned memory with a non-blocking copy,
+    so building a step's batch never waits for the device's work in flight."""
+    t = torch.tensor(values, dtype=dtype)
+    if pinned:
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _pad(rows: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
     """(B, L) int64, padded with -1."""
     width = max((len(r) for r in rows), default=0)
@@ -57,6 +66,7 @@ class SamplingBatch:
         output_token_ids_list: Sequence[Sequence[int]] | None,
         generators: Sequence[torch.Generator | None] | None,
         device: torch.device | str,
+        pinned: bool = False,
     ) -> SamplingBatch:
         num_rows = len(params_list)
         greedy_rows = [p.temperature < _SAMPLING_EPS or p.top_k == 1 for p in params_list]
@@ -66,7 +76,7 @@ class SamplingBatch:
             """(B,) fp32 of one knob, or None when every row in `rows` leaves it off."""
             if all(getattr(p, name) == off for p in rows):
                 return None
-            return torch.tensor([float(getattr(p, name)) for p in params_list], dtype=torch.float32, device=device)
+            return _to_device([float(getattr(p, name)) for p in params_list], torch.float32, device, pinned)
 
         rep = column("repetition_penalty", 1.0, params_list)
         pres = column("presence_penalty", 0.0, params_list)
@@ -80,13 +90,13 @@ class SamplingBatch:
                 prompt_tokens = _pad(prompt_token_ids_list, device)  # type: ignore[arg-type]
         top_k = None
         if any(p.top_k > 0 for p in random_params):
-            top_k = torch.tensor([p.top_k for p in params_list], dtype=torch.int64, device=device)
+            top_k = _to_device([p.top_k for p in params_list], torch.int64, device, pinned)
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params_list, greedy_rows)]
         num_logprobs = [p.logprobs for p in params_list]
         asked = [n for n in num_logprobs if n is not None]
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy_rows, dtype=torch.bool, device=device),
+            temperature=_to_device(temps, torch.float32, device, pinned),
+            greedy=_to_device(greedy_rows, torch.bool, device, pinned),
             all_greedy=all(greedy_rows),
             top_k=top_k,
             top_p=column("top_p", 1.0),

@@ -67,6 +67,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enforce_eager=config.enforce_eager,
                 max_num_seqs=config.max_num_seqs,
+                pinned_inputs=config.async_scheduling,
             )
         self.model = model
         self.model_config = model_config if model_config is not None else model.config
