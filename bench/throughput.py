@@ -145,11 +145,10 @@ def main() -> None:
     seconds, num_out = timed_generate(llm, prompts, params, dev)
     tok_s = num_out / seconds
     embedded_steps, embedded_preemptions = llm.engine.scheduler.stats.num_steps, llm.engine.scheduler.stats.num_preemptions
-    num_device_blocks = runner.num_device_blocks
+    num_device_blocks, runner_config = runner.num_device_blocks, runner.config
     service_row = ""
     if args.mode == "service":  # embedded first (the reference), then the services, same run
         config_path, model = runner.model_path, runner.model
-        config = runner.config
         # Free the embedded engine's KV pools and graphs: the model service takes its own.
         del llm
         runner.graphs = runner.pools = None
@@ -163,9 +162,6 @@ def main() -> None:
             services.close()
         service_row = (f"| service (3 processes, gRPC) | {svc_out} | {svc_seconds:.2f} | {svc_out / svc_seconds:,.0f} | | "
                        f"{svc_out / svc_seconds / tok_s:.1%} of embedded | {svc.engine.scheduler.stats.num_steps} | |")
-        runner_config = config
-    else:
-        runner_config = runner.config
     bw, fl = copy_bandwidth(dev), matmul_flops(dev)
     roof = roofline_tok_s(runner_config, [len(p) for p in prompts], [p.max_tokens for p in params], bw, fl) if dev.type == "cuda" else float("nan")
     lines = [
