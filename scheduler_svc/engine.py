@@ -44,11 +44,6 @@ class _Stream:
     emitted_tokens: int = 0
 
 
-def _needs_history(req: Request) -> bool:
-    p = req.sampling
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: ModelClient | None = None, tokenizer=None, model_config=None, kv=None) -> None:
         self.config = config
@@ -59,7 +54,7 @@ class LLMEngine:
                 config.model,
                 block_size=config.block_size,
                 num_device_blocks=config.num_gpu_blocks,
-                num_host_blocks=lambda num_device, block_bytes: config.resolve_num_cpu_blocks(num_device, block_bytes),
+                num_host_blocks=config.resolve_num_cpu_blocks,
                 device=config.device,
                 dtype=config.dtype,
                 kernel_backend=config.kernel_backend,
@@ -168,7 +163,7 @@ class LLMEngine:
         self._next = None
         inp = sched.step
         outputs: list[RequestOutput] = []
-        if self._inflight is not None and any(_needs_history(s.request) for s in sched.scheduled):
+        if self._inflight is not None and any(s.request.sampling.has_penalties for s in sched.scheduled):
             outputs += self._drain()  # penalties read the token history: no overlap this step
         launched = None
         if inp.seqs or inp.swap_out or inp.swap_in or inp.copies or inp.finished:

@@ -69,8 +69,7 @@ class SchedulerStats:
 
 def _needs_single_step(req: Request) -> bool:
     """Penalties need the history updated per token, logprobs are returned per step."""
-    p = req.sampling
-    return p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return req.sampling.logprobs is not None or req.sampling.has_penalties
 
 
 class Scheduler:
