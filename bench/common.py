@@ -39,12 +39,13 @@ def build_runner(model: str, device: str, dtype: str | None, **runner_kwargs):
     """A ModelRunner for a named config (random weights) or a local directory."""
     from model_svc.config import ModelConfig
     from model_svc.loader import build_random_model
-    from model_svc.runner import ModelRunner, default_dtype
+    from model_svc.loader import resolve_dtype
+    from model_svc.runner import ModelRunner
     from kernels import select_ops
 
     path, random_weights = model_dir_for(model)
     dev = torch.device(device)
-    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: default_dtype(dev)}[dtype]
+    torch_dtype = resolve_dtype(dtype, dev)
     prebuilt = None
     if random_weights:
         config = ModelConfig.from_pretrained(path)
@@ -136,3 +137,8 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
     return values[k]
+
+
+def device_sync(device: str | torch.device):
+    """A callable that waits for the device's queued work (a no-op off CUDA), for timing."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, make_llm, write_result  # noqa: E402
+from bench.common import device_sync, environment, make_llm, write_result  # noqa: E402
 
 
 def measure(args, steps: int) -> tuple[float, float]:
@@ -27,7 +27,7 @@ def measure(args, steps: int) -> tuple[float, float]:
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
     llm.generate([prompt], params)  # warm-up
     engine = llm.engine
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync = device_sync(args.device)
     sync()
     start = time.perf_counter()
     engine.add_request(prompt, params)

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, make_llm, percentile, write_result  # noqa: E402
+from bench.common import device_sync, environment, make_llm, percentile, write_result  # noqa: E402
 
 
 def run(args, caching: bool) -> dict:
@@ -31,7 +31,7 @@ def run(args, caching: bool) -> dict:
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # compile / warm-up
     llm.generate(prompts[:1], params)  # the first user of the shared prefix
     engine = llm.engine
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync = device_sync(args.device)
     sync()
     start = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts[1:]]

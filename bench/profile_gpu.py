@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import build_runner  # noqa: E402
+from bench.common import build_runner, device_sync  # noqa: E402
 
 
 def setup_decode(runner, batch: int, context: int, temperature: float):
@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--skip-eager", action="store_true")
     args = ap.parse_args()
     dev = args.device
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    sync = device_sync(dev)
     per_seq = -(-(args.context + 64) // 16)
     if not args.skip_eager:
         eager_profile(args, dev, per_seq, sync)

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, make_llm, write_result  # noqa: E402
+from bench.common import device_sync, environment, make_llm, write_result  # noqa: E402
 
 
 def run(args, mode: str) -> dict:
@@ -33,7 +33,7 @@ def run(args, mode: str) -> dict:
                            enable_prefix_caching=False)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o) for o in outputs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync = device_sync(args.device)
     sync()
     t = time.perf_counter()
     outs = llm.generate(prompts, params)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import build_runner, copy_bandwidth, environment, matmul_flops, write_result  # noqa: E402
+from bench.common import build_runner, copy_bandwidth, device_sync, environment, matmul_flops, write_result  # noqa: E402
 
 
 def make_workload(num_seqs: int, max_input_len: int, max_output_len: int, seed: int = 0):
@@ -100,13 +100,12 @@ def run_service(args, runner_config_path: str, model=None):
 def timed_generate(llm, prompts, params, device) -> tuple[float, int]:
     from scheduler_svc import SamplingParams
 
+    sync = device_sync(device)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t, sum(len(o.token_ids) for o in outs)
 
 

@@ -28,6 +28,21 @@ BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "bundled" / "stories260k"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -> torch.dtype:
+    """A dtype, its name, or None for the device's default."""
+    if dtype is None:
+        return default_dtype(device)
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype]
+    return dtype
+
+
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """bf16 on CUDA, fp32 elsewhere."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32

@@ -16,7 +16,7 @@ import torch
 from kernels import select_ops
 from model_svc.attention_metadata import AttentionMetadata
 from model_svc.kv_cache import HostBlockTables, KVCachePools
-from model_svc.loader import load_model
+from model_svc.loader import load_model, resolve_dtype
 from model_svc.sampler import Sampler, SamplingBatch
 from model_svc.step import PLACEHOLDER, SampledToken, SeqStep, StepInput, StepOutput
 
@@ -31,10 +31,6 @@ class _SeqState:
     num_blocks: int = 0
     token_ids: list[int] = field(default_factory=list)  # every token fed, by position
     generator: torch.Generator | None = None
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 class ModelRunner:
@@ -57,9 +53,7 @@ class ModelRunner:
         pinned_inputs: bool = False,
     ) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if isinstance(dtype, str):
-            dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
-        self.dtype = dtype or default_dtype(self.device)
+        self.dtype = resolve_dtype(dtype, self.device)
         self.ops = select_ops(self.device, kernel_backend)
         if model is None:
             model, _ = load_model(model_path, device=self.device, dtype=self.dtype, ops=self.ops)
