@@ -58,8 +58,9 @@ PROMPT, CACHED = 4096, 3072  # prefill: a 4k-token prompt, with 0 and with 3k to
 DEVICE = "cuda"
 BATCHES = [1, 8, 32, 128, 256]
 LENGTHS = [1024, 8192, 32768]
-DECODE_VARIANTS = [DecodeConfig(64, 4, 5), DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 7), DecodeConfig(64, 8, 5)]
-PREFILL_VARIANTS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 5),
+DECODE_VARIANTS = [DecodeConfig(64, 4, 5), DecodeConfig(64, 4, 5, split_p=False), DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 7),
+                   DecodeConfig(64, 8, 5)]
+PREFILL_VARIANTS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 128, 8, 3, split_p=False), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 5),
                     PrefillConfig(64, 128, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(64, 64, 4, 5)]
 
 
@@ -414,9 +415,10 @@ def fmt(x, spec: str) -> str:
 
 
 def cfg_str(c) -> str:
+    p = "" if c.split_p else " (P one bf16 term)"
     if isinstance(c, DecodeConfig):
-        return f"N{c.block_n}/w{c.num_warps}/s{c.num_stages}"
-    return f"{c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}"
+        return f"N{c.block_n}/w{c.num_warps}/s{c.num_stages}{p}"
+    return f"{c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}{p}"
 
 
 def render(meta, ceilings, checks, decode_rows, host, sweep_rows, prefill_rows) -> str:

@@ -82,6 +82,33 @@ def eager_profile(args, dev, per_seq, sync) -> None:
     del eager, steps
 
 
+def _event_ms(fn, n: int = 50) -> float:
+    """Device time per call of fn, queued n times back to back (the host runs ahead)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def replay_ms(runner, batch: int) -> float:
+    bucket = next(b for b in runner.graphs.buckets if b >= batch)
+    return _event_ms(runner.graphs.graphs[bucket].replay)
+
+
+def logits_sample_ms(runner, batch: int, temperature: float) -> float:
+    from model_svc.sampler import SamplingBatch
+    from scheduler_svc import SamplingParams
+
+    hidden = torch.randn(batch, runner.model.config.hidden_size, device=runner.device, dtype=runner.dtype)
+    params = [SamplingParams(temperature=temperature, max_tokens=8)] * batch
+    sampling = SamplingBatch.build(params, None, None, None, runner.device)
+    return _event_ms(lambda: runner.sampler(runner.model.compute_logits(hidden), sampling))
+
+
 def graph_steps(args, fast, sync) -> None:
     for batch in (args.batch, 1):
         steps = setup_decode(fast, batch, args.context if batch > 1 else 512, args.temperature)
@@ -93,6 +120,9 @@ def graph_steps(args, fast, sync) -> None:
         sync()
         ms = (time.perf_counter() - t) / n * 1e3
         print(f"graph decode step, batch {batch}: {ms:.3f} ms/step wall (host included)")
+        if torch.device(fast.device).type == "cuda":
+            print(f"  device time alone: {replay_ms(fast, batch):.3f} ms per graph replay (the forward, back to back), "
+                  f"{logits_sample_ms(fast, batch, args.temperature):.3f} ms for logits + sampling")
         if args.host_profile:
             import cProfile
             import pstats

@@ -75,12 +75,36 @@ def upcast_dot(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
+def split_p(dtype: torch.dtype) -> bool:
+    """bf16 keeps 8 bits of each probability, fp16 11, fp32 24. In bf16 the P @ V product
+    takes P as two bf16 terms (hi + lo, 16 bits together; see mma_pv), so attention
+    rounds about as the fp32 reference does."""
+    return dtype == torch.bfloat16
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def fix_bf16_rounding(dtype: torch.dtype) -> bool:
+    """The Triton 3.6 interpreter casts fp32 to bf16 by truncation, where the GPU (and torch)
+    round to nearest even; the kernels then round by hand first (see round_to)."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+@triton.jit
+def round_to(x, dt: tl.constexpr, FIX_BF16: tl.constexpr):
+    """fp32 x rounded to dt, to nearest even. With FIX_BF16 the rounding is done on the bits,
+    so the interpreter's truncating cast that follows is exact (NaN payloads aside)."""
+    if FIX_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(dt)
 
 
 @triton.jit
@@ -90,6 +114,19 @@ def mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def mma_pv(p, v, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr):
+    """p (rows, n) fp32 probabilities @ v (n, d) in v's dtype, fp32 result. With SPLIT_P, p is
+    taken as p_hi + p_lo, both in v's dtype (p_lo = the rounding error of p_hi): a second
+    tensor-core product instead of a 2^-9 relative error on every probability."""
+    p_hi = p.to(v.dtype)
+    out = mma(p_hi, v, PRECISION, UPCAST)
+    if SPLIT_P:
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        out += mma(p_lo, v, PRECISION, UPCAST)
+    return out
 
 
 @triton.jit

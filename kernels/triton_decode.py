@@ -22,12 +22,16 @@ import triton.language as tl
 from kernels.triton_common import (
     cdiv,
     dot_precision,
+    fix_bf16_rounding,
     interpreting,
     load_rows,
     mma,
+    mma_pv,
     next_pow2,
     num_sms,
+    round_to,
     softmax_step,
+    split_p,
     upcast_dot,
 )
 
@@ -43,6 +47,7 @@ class DecodeConfig:
     block_n: int  # context tokens per loop step (any multiple of 16; pages may be smaller or larger)
     num_warps: int
     num_stages: int
+    split_p: bool = True  # bf16: P @ V with P as two bf16 terms (kernels.triton_common.mma_pv)
 
 
 def default_decode_config(dtype: torch.dtype, head_dim: int) -> DecodeConfig:
@@ -101,7 +106,8 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
+    FIX_BF16: tl.constexpr,
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -145,13 +151,13 @@ def _decode_split_kernel(
         p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
         v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
                       t_mask, d_mask, True, D_MASK)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION, UPCAST)
+        acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
 
     if DIRECT:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # seq_len 0 (padding rows): zeros
         tl.store(
             out_ptr + seq.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :],
+            round_to(out, out_ptr.dtype.element_ty, FIX_BF16), mask=g_mask[:, None] & d_mask[None, :],
         )
     else:
         # An empty split (a sequence shorter than the longest) has l = 0: lse = -inf, out = 0.
@@ -168,7 +174,7 @@ def _decode_combine_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     num_splits, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -192,7 +198,7 @@ def _decode_combine_kernel(
         weights += w
     weight_sum = tl.sum(weights, 0)
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d, round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
              mask=offs_d < HEAD_DIM)
 
 
@@ -244,7 +250,8 @@ def decode_with_config(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=config.block_n,
-        DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
+        DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), SPLIT_P=config.split_p and split_p(q.dtype),
+        FIX_BF16=fix_bf16_rounding(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not direct:
@@ -252,7 +259,7 @@ def decode_with_config(
             part_out, part_lse, out,
             num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
-            SPLITS_PAD=next_pow2(num_splits), BLOCK_S=min(16, next_pow2(num_splits)),
+            SPLITS_PAD=next_pow2(num_splits), BLOCK_S=min(16, next_pow2(num_splits)), FIX_BF16=fix_bf16_rounding(q.dtype),
             num_warps=4 if block_d >= 128 else 2,
         )
     return out

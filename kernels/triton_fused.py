@@ -18,24 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import cdiv, interpreting, next_pow2
+from kernels.triton_common import cdiv, fix_bf16_rounding, next_pow2, round_to
 
-
-def fix_bf16_rounding(dtype: torch.dtype) -> bool:
-    """The Triton 3.6 interpreter casts fp32 to bf16 by truncation, where the GPU (and torch)
-    round to nearest even; the kernels then round by hand first (see round_to)."""
-    return interpreting() and dtype == torch.bfloat16
-
-
-@triton.jit
-def round_to(x, dt: tl.constexpr, FIX_BF16: tl.constexpr):
-    """fp32 x rounded to dt, to nearest even. With FIX_BF16 the rounding is done on the bits,
-    so the interpreter's truncating cast that follows is exact (NaN payloads aside)."""
-    if FIX_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-    return x.to(dt)
 
 # ---- rms_norm ----
 

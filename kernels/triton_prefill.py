@@ -27,7 +27,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot_precision, interpreting, load_rows, mma, next_pow2, softmax_step, upcast_dot
+from kernels.triton_common import (
+    dot_precision,
+    fix_bf16_rounding,
+    interpreting,
+    load_rows,
+    mma,
+    mma_pv,
+    next_pow2,
+    round_to,
+    softmax_step,
+    split_p,
+    upcast_dot,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -38,6 +50,7 @@ class PrefillConfig:
     block_n: int  # key tokens per loop step
     num_warps: int
     num_stages: int
+    split_p: bool = True  # bf16: P @ V with P as two bf16 terms (kernels.triton_common.mma_pv)
 
 
 def default_prefill_config(dtype: torch.dtype, head_dim: int) -> PrefillConfig:
@@ -81,6 +94,7 @@ def _prefill_kernel(
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_P: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -126,7 +140,7 @@ def _prefill_kernel(
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
             v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
                           offs_n, d_mask, False, D_MASK)
-            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION, UPCAST)
+            acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
 
         # Phase 2: key tiles across the diagonal, causal mask. No row's running max stays -inf:
         # it is finite after phase 1, or phase 2 starts at key 0, which every row sees.
@@ -143,11 +157,11 @@ def _prefill_kernel(
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
             v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
                           t_mask, d_mask, True, D_MASK)
-            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION, UPCAST)
+            acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
 
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_offs[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+                 round_to(out, out_ptr.dtype.element_ty, FIX_BF16), mask=row_mask[:, None] & d_mask[None, :])
 
 
 def prefill_with_config(
@@ -185,7 +199,8 @@ def prefill_with_config(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE=page,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
+        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), SPLIT_P=config.split_p and split_p(q.dtype),
+        FIX_BF16=fix_bf16_rounding(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -291,6 +291,34 @@ def test_prefill_public_entry_point(device):
     assert_matches(out, ref)
 
 
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_bf16_attention_rounds_like_the_fp32_reference(device, kernel):
+    """bf16 P @ V takes P as two bf16 terms, so outputs equal the reference's (fp32 softmax,
+    rounded once) but for rare one-ulp ties; with P as one bf16 term about half of them
+    differ. The greedy-parity check of a bf16 model depends on this."""
+    gen = torch.Generator().manual_seed(11)
+    lens, heads, head_dim = [200, 150], (4, 2), 64
+    k_cache, v_cache, block_tables, seq_lens = make_paged_kv(lens, heads[1], head_dim, 16, torch.bfloat16, device, gen)
+    scale = 1.0 / math.sqrt(head_dim)
+    if kernel == "decode":
+        q = make_query(len(lens), *heads, head_dim, torch.bfloat16, device, gen)
+        ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        run = lambda split: decode_with_config(  # noqa: E731
+            q, k_cache, v_cache, block_tables, seq_lens, scale, DecodeConfig(16, 4, 3, split_p=split), num_splits=3)
+    else:
+        cu = torch.tensor([0, 20, 40], dtype=torch.int32, device=device)
+        q = make_query(40, *heads, head_dim, torch.bfloat16, device, gen)
+        ref = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu, seq_lens, scale)
+        run = lambda split: prefill_with_config(  # noqa: E731
+            q, k_cache, v_cache, block_tables, cu, seq_lens, scale, PrefillConfig(16, 16, 4, 1, split_p=split))
+    split, single = run(True), run(False)
+    # one ulp of the larger of the two, or 2^-16 absolute where the average cancels to ~0
+    ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(ref.float().abs(), split.float().abs()).clamp(min=2**-9)
+    assert ((split.float() - ref.float()).abs() <= ulp).all()
+    assert (split != ref).float().mean() < 0.03
+    assert (single != ref).float().mean() > 0.2  # what the split buys
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU only: production shapes (Hq=32, Hkv=8, D=128), odd head dims, other block sizes, graphs
 

@@ -27,3 +27,30 @@ def test_triton_path_equals_reference_path_fp32():
         assert toks[:n] == r["new_token_ids"][:n]
     fast.engine.kv.check_invariants()
     assert fast.engine.kv.all_free_or_cached()
+
+
+def test_overlapped_launch_never_waits_for_the_device():
+    """With async scheduling, queuing a step must not synchronize with the step in flight:
+    every input goes through pinned memory with non-blocking copies. CUDA's sync debug mode
+    raises on any synchronizing call made inside launch()."""
+    import torch
+
+    llm = LLM(device="cuda", dtype="float32", num_gpu_blocks=512, async_scheduling=True)
+    runner = llm.engine.model
+    assert llm.engine.async_scheduling and runner.pinned_inputs
+    launch = runner.launch
+    checked = []
+
+    def strict_launch(inp):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(inp)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(len(inp.seqs))
+
+    runner.launch = strict_launch
+    params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=24)]
+    outs = llm.generate(["Once upon a time", "The little dog"], params)
+    assert all(len(o.token_ids) == 24 for o in outs)
+    assert len(checked) >= 24  # every step went through the strict launch
