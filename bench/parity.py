@@ -5,10 +5,14 @@ agree, or differ only where the plain path's top-2 logit gap is a near-tie."""
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import torch
 
-from bench.common import build_runner
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import build_runner  # noqa: E402
 
 
 def greedy_with_gaps(runner, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
@@ -76,3 +80,14 @@ def check_parity(model: str, device: str, dtype: str | None, near_tie: float, nu
             status = "near-tie" if gap < near_tie else "MISMATCH"
             report.append(f"prompt {i} (len {lengths[i]}): first divergence at token {diverge}, top-2 gap {gap:.2e}: {status}")
     return report
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None)
+    args = ap.parse_args()
+    print("\n".join(check_parity(args.model, args.device, args.dtype, near_tie=1e-2)))

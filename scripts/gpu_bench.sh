@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
-# The GPU results of bench/results/ in one session, most important first, each bounded.
-# Usage: bash scripts/gpu_bench.sh OUTDIR
+# The GPU results of bench/results/ in two parts, each under ten minutes, most important first.
+# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|all]
+#   a: GPU tests, greedy parity (bf16 Qwen3-0.6B shape), per-phase device times (B=1 and B=256), overlapped throughput, latency
+#   b: headline throughput embedded + service mode (with the parity check), prefix caching, kernels
 set -uo pipefail
 out="${1:-bench/results}"
+part="${2:-all}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-run() { local name=$1; shift; echo "== $name"; timeout "$@" 2>&1 | grep -v "req/s\]\|it/s\]\|\[transformers\]" | tail -16; }
-run throughput 240 python bench/throughput.py --check --mode service --out "$out/throughput_h200.md"
-run latency 70 python bench/latency.py --out "$out/latency_h200.md"
-run prefix 70 python bench/prefix.py --out "$out/prefix_h200.md"
-run gpu-tests 100 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
-run kernels 100 python bench/kernels.py --flex-budget-s 30 --out "$out/kernels_h200.md"
-run throughput-overlap 60 python bench/throughput.py --overlap --out "$out/throughput_h200_overlapped.md"
+run() { local name=$1; shift; echo "== $name"; timeout "$@" 2>&1 | grep -v "req/s\]\|it/s\]\|s/it\]\|\[transformers\]" | tail -${TAIL:-16}; }
+if [ "$part" = a ] || [ "$part" = all ]; then
+  run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
+  run parity 120 python bench/parity.py
+  TAIL=40 run profile-b1 90 python bench/profile_gpu.py --batch 1 --context 512 --temperature 0 --rows 30
+  run profile-b256 90 python bench/profile_gpu.py --batch 256 --context 600 --skip-eager
+  run throughput-overlap 90 python bench/throughput.py --overlap --out "$out/throughput_h200_overlapped.md"
+  run latency 90 python bench/latency.py --out "$out/latency_h200.md"
+fi
+if [ "$part" = b ] || [ "$part" = all ]; then
+  run throughput 240 python bench/throughput.py --check --mode service --out "$out/throughput_h200.md"
+  run prefix 80 python bench/prefix.py --overlap --out "$out/prefix_h200_overlapped.md"
+  run prefix 80 python bench/prefix.py --out "$out/prefix_h200.md"
+  run kernels 150 python bench/kernels.py --flex-budget-s 30 --out "$out/kernels_h200.md"
+fi
