@@ -51,6 +51,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused residual add (vLLM style): x += residual, then norm. Returns (normed, new
         residual); with residual None the new residual is x itself."""
+        if self.fused_rms_norm is not None and x.dim() == 2:
+            return self.fused_rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         return self.norm(x), x

@@ -143,8 +143,16 @@ def test_empty_batch(device):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @torch.no_grad()
-def test_tiny_qwen3_fused_matches_torch(device, dtype):
+def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
     pytest.importorskip("transformers")
+    from kernels import triton_fused
+
+    calls = {name: 0 for name in ("rms_norm", "qk_norm_rope", "silu_and_mul")}
+    for name in calls:  # count launches: every layer must take the fused path, not just hold it
+        def counted(*args, _fn=getattr(triton_fused, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(triton_fused, name, counted)
     from model_svc.config import ModelConfig
     from model_svc.loader import build_random_model
     from tests.model.paged_sim import PagedSim
@@ -164,6 +172,9 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype):
         for name, model in models.items():
             ids, positions, attn = sims[name].step(new_tokens)
             hidden[name] = model(ids, positions, sims[name].kv_caches, attn)
+        layers = config.num_hidden_layers
+        assert calls == {"rms_norm": 2 * layers + 1, "qk_norm_rope": layers, "silu_and_mul": layers}
+        calls.update(dict.fromkeys(calls, 0))
         if dtype == torch.float32:
             torch.testing.assert_close(hidden["triton"], hidden["torch"], rtol=1e-4, atol=1e-4)
         else:
