@@ -1,6 +1,8 @@
 """Where one engine step's time goes: cProfile over a reduced headline workload.
 
-    python bench/profile_step.py --num-seqs 128 --max-len 512
+    python bench/profile_step.py --num-seqs 128 --max-len 512 [--overlap]
+
+Time spent inside torch calls that copy to or from the GPU is where the host waits for it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1)
+    ap.add_argument("--overlap", action="store_true", help="schedule step k+1 while step k runs (async scheduling)")
     ap.add_argument("--top", type=int, default=35)
     args = ap.parse_args()
     prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)

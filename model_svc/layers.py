@@ -1,11 +1,12 @@
 """Building blocks shared by the model families: RMSNorm (with fused residual add), rotary
-embedding, SiluAndMul, merged linear projections, and the paged Attention layer.
+embedding, SiluAndMul, linear and merged linear projections, and the paged Attention layer.
 
 Tokens of all sequences in a step are flattened into one batch of N tokens; there is no
 batch or padding dimension anywhere below the model.
 
 With the Triton kernel ops (CUDA), RMSNorm, SiluAndMul and the q/k norm + rotary run as the
-fused kernels of kernels.triton_fused; otherwise the torch code here runs (it is the reference).
+fused kernels of kernels.triton_fused, and projections of a few rows (decode at small batch) as
+kernels.triton_linear; otherwise the torch code here runs (it is the reference).
 """
 
 from __future__ import annotations
@@ -137,12 +138,39 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-class MergedLinear(nn.Linear):
+def skinny_kernels(ops: KernelOps | None) -> ModuleType | None:
+    """kernels.triton_linear when the model runs the Triton ops, else None."""
+    if ops is None or ops.name != "triton":
+        return None
+    from kernels import triton_linear
+
+    return triton_linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: ModuleType | None) -> torch.Tensor:
+    """F.linear, or the Triton skinny kernel for a few 16-bit rows (decode at small batch)."""
+    if skinny is not None and skinny.use_skinny(x, weight):
+        return skinny.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose small-batch 16-bit products take kernels.triton_linear on the Triton ops."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, ops: KernelOps | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.skinny = skinny_kernels(ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.skinny)
+
+
+class MergedLinear(Linear):
     """Several projections of the same input as one Linear (e.g. q|k|v, gate|up). The loader
     fills each checkpoint tensor into its row slice with load_shard."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, ops: KernelOps | None = None) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias, ops=ops)
         self.shard_slices: dict[str, slice] = {}
         start = 0
         for name, size in shard_sizes.items():

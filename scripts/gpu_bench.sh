@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU results of bench/results/ in two parts, each under ten minutes, most important first.
 # Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|all]
-#   a: GPU tests, greedy parity (bf16 Qwen3-0.6B shape), per-phase device times (B=1 and B=256), overlapped throughput, latency
+#   a: GPU tests, skinny linear vs cuBLAS, greedy parity (bf16 Qwen3-0.6B shape), per-phase device
+#      times (B=1 and B=256), host profile of overlapped scheduling, overlapped throughput, latency
 #   b: headline throughput embedded + service mode (with the parity check), prefix caching, kernels
 set -uo pipefail
 out="${1:-bench/results}"
@@ -11,9 +12,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 run() { local name=$1; shift; echo "== $name"; timeout "$@" 2>&1 | grep -v "req/s\]\|it/s\]\|s/it\]\|\[transformers\]" | tail -${TAIL:-16}; }
 if [ "$part" = a ] || [ "$part" = all ]; then
   run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
+  run gpu-kernel-numerics 60 python -m pytest -q tests/kernels/test_linear.py tests/kernels/test_kernels.py -k "skinny or dispatch or rounds_like"
+  run linear 60 python bench/linear.py --out "$out/linear_h200.md"
   run parity 120 python bench/parity.py
   TAIL=40 run profile-b1 90 python bench/profile_gpu.py --batch 1 --context 512 --temperature 0 --rows 30
   run profile-b256 90 python bench/profile_gpu.py --batch 256 --context 600 --skip-eager
+  TAIL=45 run profile-step-overlap 100 python bench/profile_step.py --overlap --top 30
   run throughput-overlap 90 python bench/throughput.py --overlap --out "$out/throughput_h200_overlapped.md"
   run latency 90 python bench/latency.py --out "$out/latency_h200.md"
 fi

@@ -10,7 +10,6 @@ that q/k/v and gate/up are merged (see packed_modules_mapping).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import KernelOps
@@ -18,6 +17,7 @@ from model_svc.attention_metadata import AttentionMetadata
 from model_svc.config import ModelConfig
 from model_svc.layers import (
     Attention,
+    Linear,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -25,6 +25,8 @@ from model_svc.layers import (
     SiluAndMul,
     apply_rotary,
     fused_kernels,
+    linear,
+    skinny_kernels,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -37,9 +39,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=config.attention_bias
+            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=config.attention_bias, ops=ops
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, ops=ops)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -81,8 +83,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias, ops=ops)
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias, ops=ops)
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, hidden)
@@ -157,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None  # tied: logits use the embedding matrix
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.skinny = skinny_kernels(ops)
 
     @property
     def num_layers(self) -> int:
@@ -181,4 +184,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (M, hidden) -> (M, vocab) fp32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, None, self.skinny).float()

@@ -1,0 +1,138 @@
+"""Skinny linear layer in Triton: y = x @ W^T (+ bias) for a handful of rows (decode at small
+batch), where the whole cost is reading W once.
+
+cuBLAS picks tile shapes made for large M; at M = 1 on the H200 its kernels for Qwen3-0.6B's
+projections read the weights at 0.6-1.7 TB/s (bench/NOTES.md). Here every program owns
+BLOCK_N output columns for all (at most 16) rows, streams its BLOCK_N weight rows through a
+deep pipeline, and multiplies on the tensor cores with the rows padded to 16. When N alone gives
+too few programs to keep every SM loading, K is split across programs too; their fp32 partial
+sums are added by a second small kernel, which also rounds to the output dtype.
+
+Contract: `skinny_linear(x, weight, bias)` equals `torch.nn.functional.linear(x, weight, bias)`
+(fp32 accumulation, one rounding at the end) for x with at most MAX_ROWS rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import cdiv, fix_bf16_rounding, interpreting, mma, num_sms, round_to, upcast_dot
+
+MAX_ROWS = 16  # one tensor-core tile of rows; larger batches go to cuBLAS
+PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
+    M, N, K, k_chunk,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, FIX_BF16: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_start = split * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < k_end
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
+        acc += mma(x, tl.trans(w), "tf32", UPCAST)
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = round_to(acc, out_ptr.dtype.element_ty, FIX_BF16)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        part = part_ptr + (split * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(part, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr, b_ptr, out_ptr, M, N, num_splits, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, FIX_BF16: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(num_splits):
+        acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs, round_to(acc, out_ptr.dtype.element_ty, FIX_BF16), mask=mask)
+
+
+def pick_split_k(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    """Split K so that the grid has about PROGRAMS_PER_SM programs per SM, each with at least
+    two BLOCK_K steps of K (shorter chunks only add partial sums)."""
+    programs = cdiv(n, block_n)
+    want = max(1, round(PROGRAMS_PER_SM * sms / programs))
+    return max(1, min(want, k // (2 * block_k)))
+
+
+def skinny_linear(
+    x: torch.Tensor,  # (M, K), M <= MAX_ROWS, unit stride along K
+    weight: torch.Tensor,  # (N, K), unit stride along K
+    bias: torch.Tensor | None = None,  # (N,)
+    split_k: int | None = None,
+) -> torch.Tensor:  # (M, N), dtype of x
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= MAX_ROWS and weight.shape[1] == k, (x.shape, weight.shape)
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_n, block_k = (16, 32) if interpreting() else (16, 256)
+    if split_k is None:
+        split_k = pick_split_k(n, k, block_n, block_k, num_sms(x.device))
+    k_chunk = cdiv(cdiv(k, split_k), block_k) * block_k
+    split_k = cdiv(k, k_chunk)
+    direct = split_k == 1
+    part = out if direct else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    has_bias = bias is not None
+    fix = fix_bf16_rounding(x.dtype)
+    _skinny_kernel[(cdiv(n, block_n), split_k)](
+        x, weight, bias if has_bias else weight, out, part,
+        m, n, k, k_chunk,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=has_bias, DIRECT=direct,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=upcast_dot(x.dtype), FIX_BF16=fix,
+        num_warps=4, num_stages=1 if interpreting() else 4,
+    )  # fmt: skip
+    if not direct:
+        block = 1024
+        _sum_splits_kernel[(cdiv(n, block), m)](
+            part, bias if has_bias else part, out, m, n, split_k, out.stride(0),
+            HAS_BIAS=has_bias, BLOCK=block, FIX_BF16=fix, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The Triton path takes 16-bit inputs of at most MAX_ROWS rows; everything else (fp32
+    exactness tests, prefill, large batches) stays with cuBLAS."""
+    return (
+        x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
