@@ -125,7 +125,7 @@ def make_llm(model: str, device: str, dtype: str | None = None, num_gpu_blocks: 
     path, runner = build_runner(
         model, device, dtype, block_size=block_size, num_device_blocks=num_gpu_blocks, enforce_eager=enforce_eager,
         max_num_seqs=engine_kwargs.get("max_num_seqs", 256), max_num_batched_tokens=engine_kwargs.get("max_num_batched_tokens", 8192),
-        num_host_blocks=engine_kwargs.pop("num_cpu_blocks", 0), pinned_inputs=engine_kwargs.get("async_scheduling", False),
+        num_host_blocks=engine_kwargs.pop("num_cpu_blocks", 0),
     )
     config = EngineConfig(model=path, device=device, skip_tokenizer_init=True, enforce_eager=enforce_eager, **engine_kwargs)
     return LLM.from_engine(LLMEngine(config, model=runner)), runner

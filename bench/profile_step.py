@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--num-scheduler-steps", type=int, default=1)
-    ap.add_argument("--overlap", action="store_true", help="schedule step k+1 while step k runs (async scheduling)")
+    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                    help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)")
     ap.add_argument("--top", type=int, default=35)
     args = ap.parse_args()
     prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)

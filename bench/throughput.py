@@ -61,7 +61,6 @@ def run_embedded(args, prompts, params):
     path, runner = build_runner(
         args.model, args.device, args.dtype, block_size=args.block_size, num_device_blocks=args.num_gpu_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
-        pinned_inputs=args.overlap,
     )
     config = EngineConfig(
         model=path, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -124,7 +123,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
-    ap.add_argument("--overlap", action="store_true", help="schedule step k+1 while step k runs (async scheduling)")
+    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                    help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)")
     ap.add_argument("--check", action="store_true", help="first check greedy parity of the optimized path vs the plain one")
     ap.add_argument("--out", default=None, help="write a markdown result here")
     args = ap.parse_args()
@@ -143,10 +143,17 @@ def main() -> None:
     llm, runner = run_embedded(args, prompts, params)
     seconds, num_out = timed_generate(llm, prompts, params, dev)
     tok_s = num_out / seconds
+    overlapped = llm.engine.async_scheduling
     embedded_steps, embedded_preemptions = llm.engine.scheduler.stats.num_steps, llm.engine.scheduler.stats.num_preemptions
-    num_device_blocks, runner_config = runner.num_device_blocks, runner.config
-    service_row = ""
+    num_device_blocks, runner_config, graphs = runner.num_device_blocks, runner.config, runner.graphs is not None
+    extra_rows = []
     if args.mode == "service":  # embedded first (the reference), then the services, same run
+        sync_tok_s = tok_s
+        if overlapped:  # the services step synchronously: time embedded that way too, like for like
+            llm.engine.async_scheduling = False
+            sync_seconds, sync_out = timed_generate(llm, prompts, params, dev)
+            sync_tok_s = sync_out / sync_seconds
+            extra_rows.append(f"| embedded, synchronous scheduling | {sync_out} | {sync_seconds:.2f} | {sync_tok_s:,.0f} | | | | |")
         config_path, model = runner.model_path, runner.model
         # Free the embedded engine's KV pools and graphs: the model service takes its own.
         del llm
@@ -159,19 +166,21 @@ def main() -> None:
             svc_seconds, svc_out = timed_generate(svc, prompts, params, torch.device("cpu"))
         finally:
             services.close()
-        service_row = (f"| service (3 processes, gRPC) | {svc_out} | {svc_seconds:.2f} | {svc_out / svc_seconds:,.0f} | | "
-                       f"{svc_out / svc_seconds / tok_s:.1%} of embedded | {svc.engine.scheduler.stats.num_steps} | |")
+        svc_tok_s = svc_out / svc_seconds
+        ratio = f"{svc_tok_s / sync_tok_s:.1%} of embedded synchronous" + (f", {svc_tok_s / tok_s:.1%} of embedded overlapped" if overlapped else "")
+        extra_rows.append(f"| service (3 processes, gRPC) | {svc_out} | {svc_seconds:.2f} | {svc_tok_s:,.0f} | | {ratio} | "
+                          f"{svc.engine.scheduler.stats.num_steps} | |")
     bw, fl = copy_bandwidth(dev), matmul_flops(dev)
     roof = roofline_tok_s(runner_config, [len(p) for p in prompts], [p.max_tokens for p in params], bw, fl) if dev.type == "cuda" else float("nan")
     lines = [
         "| mode | output tokens | seconds | tok/s | roofline tok/s | fraction | steps | preemptions |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         f"| embedded | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | {embedded_steps} | {embedded_preemptions} |",
-        *([service_row] if service_row else []),
+        *extra_rows,
         "",
         f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s, "
-        f"device blocks {num_device_blocks}, kernels {runner.ops.name}, cuda graphs {not args.enforce_eager}, "
-        f"scheduler steps {args.num_scheduler_steps}, overlapped scheduling {args.overlap}",
+        f"device blocks {num_device_blocks}, kernels {runner.ops.name}, cuda graphs {graphs}, "
+        f"scheduler steps {args.num_scheduler_steps}, overlapped scheduling {overlapped}",
     ]
     if parity:
         lines += ["", "Greedy parity, optimized vs plain path (first 32 tokens, 8 prompts):", *(f"- {r}" for r in parity)]

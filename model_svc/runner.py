@@ -50,7 +50,7 @@ class ModelRunner:
         model: torch.nn.Module | None = None,
         enforce_eager: bool = False,
         max_num_seqs: int = 256,
-        pinned_inputs: bool = False,
+        pinned_inputs: bool = True,
     ) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device)

@@ -62,7 +62,6 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enforce_eager=config.enforce_eager,
                 max_num_seqs=config.max_num_seqs,
-                pinned_inputs=config.async_scheduling,
             )
         self.model = model
         self.model_config = model_config if model_config is not None else model.config
@@ -85,7 +84,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stream_outputs = True  # False: step() returns finished requests only (offline use)
         # Overlap the host's work with the device's step (needs a model client with launch()).
-        self.async_scheduling = config.async_scheduling and hasattr(model, "launch") and config.num_scheduler_steps == 1
+        overlap = config.async_scheduling
+        if overlap is None:
+            overlap = getattr(getattr(model, "device", None), "type", None) == "cuda"
+        self.async_scheduling = bool(overlap) and hasattr(model, "launch") and config.num_scheduler_steps == 1
         self._inflight = None  # (SchedulerOutput, LaunchedStep) of the step on the device
         self._next: SchedulerOutput | None = None  # step k+1, scheduled while step k runs
 

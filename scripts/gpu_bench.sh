@@ -3,7 +3,7 @@
 # Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|all]
 #   a: GPU tests, skinny linear vs cuBLAS, greedy parity (bf16 Qwen3-0.6B shape), per-phase device
 #      times (B=1 and B=256), host profile of overlapped scheduling, overlapped throughput, latency
-#   b: headline throughput embedded + service mode (with the parity check), prefix caching, kernels
+#   b: headline throughput embedded + service mode (with the parity check), latency, prefix caching, kernels
 set -uo pipefail
 out="${1:-bench/results}"
 part="${2:-all}"
@@ -23,7 +23,8 @@ if [ "$part" = a ] || [ "$part" = all ]; then
 fi
 if [ "$part" = b ] || [ "$part" = all ]; then
   run throughput 240 python bench/throughput.py --check --mode service --out "$out/throughput_h200.md"
-  run prefix 80 python bench/prefix.py --overlap --out "$out/prefix_h200_overlapped.md"
+  run latency 90 python bench/latency.py --out "$out/latency_h200.md"
   run prefix 80 python bench/prefix.py --out "$out/prefix_h200.md"
+  run prefix-sync 80 python bench/prefix.py --no-overlap --out "$out/prefix_h200_sync.md"
   run kernels 150 python bench/kernels.py --flex-budget-s 30 --out "$out/kernels_h200.md"
 fi

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_linear import MAX_ROWS, pick_split_k, skinny_linear, use_skinny
+from kernels.triton_linear import DISPATCH_MAX_ROWS, pick_split_k, skinny_linear, use_skinny
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -44,10 +44,12 @@ def test_skinny_linear_strided_rows_and_empty(device):
 
 
 def test_dispatch_rule():
-    w = torch.zeros((8, 4), dtype=torch.bfloat16)
-    assert use_skinny(torch.zeros((MAX_ROWS, 4), dtype=torch.bfloat16), w)
-    assert not use_skinny(torch.zeros((MAX_ROWS + 1, 4), dtype=torch.bfloat16), w)  # cuBLAS
-    assert not use_skinny(torch.zeros((1, 4)), w.float())  # fp32 stays exact with cuBLAS
+    narrow, wide = torch.zeros((4, 8), dtype=torch.bfloat16), torch.zeros((16, 8), dtype=torch.bfloat16)
+    x = torch.zeros((DISPATCH_MAX_ROWS, 8), dtype=torch.bfloat16)
+    assert use_skinny(x, narrow)
+    assert not use_skinny(x, wide)  # cuBLAS is at the bandwidth roof there
+    assert not use_skinny(torch.zeros((DISPATCH_MAX_ROWS + 1, 8), dtype=torch.bfloat16), narrow)
+    assert not use_skinny(x.float(), narrow.float())  # fp32 stays exact with cuBLAS
     # Qwen3-0.6B on 132 SMs: q|k|v and gate|up have enough columns; o_proj and down split K
     assert pick_split_k(4096, 1024, 16, 256, 132) == 1
     assert pick_split_k(1024, 2048, 16, 256, 132) == 4
