@@ -100,7 +100,8 @@ def timed_generate(llm, prompts, params, device) -> tuple[float, int]:
     from scheduler_svc import SamplingParams
 
     sync = device_sync(device)
-    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    # warm-up: kernels compile on first use (a prefill of several sequences, decode)
+    llm.generate([[1, 2, 3, 4], list(range(5, 40))], SamplingParams(max_tokens=8, ignore_eos=True))
     sync()
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)

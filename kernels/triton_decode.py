@@ -94,7 +94,7 @@ def pick_num_splits(
     return max(1, splits)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -169,7 +169,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_combine_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     num_splits, stride_ob, stride_oh,

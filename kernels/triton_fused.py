@@ -110,7 +110,7 @@ def _norm_rope_head(
     tl.store(dst + HALF + offs, round_to(o2, dt, FIX_BF16), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])  # positions may be a slice at any offset
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_cs,

@@ -26,7 +26,7 @@ DISPATCH_MAX_ROWS = 4  # where it beats cuBLAS on the H200 (bench/results/linear
 PROGRAMS_PER_SM = 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "k_chunk"])
 def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
     M, N, K, k_chunk,
@@ -63,7 +63,7 @@ def _skinny_kernel(
         tl.store(part, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "num_splits"])
 def _sum_splits_kernel(
     part_ptr, b_ptr, out_ptr, M, N, num_splits, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, FIX_BF16: tl.constexpr,

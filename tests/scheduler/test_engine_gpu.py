@@ -54,3 +54,23 @@ def test_overlapped_launch_never_waits_for_the_device():
     outs = llm.generate(["Once upon a time", "The little dog"], params)
     assert all(len(o.token_ids) == 24 for o in outs)
     assert len(checked) >= 24  # every step went through the strict launch
+
+
+def test_no_triton_compiles_once_warm():
+    """Kernels launched eagerly on run-time shapes (prefill, the logits) must not compile a new
+    specialization for each batch: a compile mid-serving stalls every request for ~1 s. After
+    one warm batch, batches of other sizes and token counts compile nothing."""
+    from triton import knobs
+
+    llm = LLM(device="cuda", dtype="float32", num_gpu_blocks=512)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate(["Once upon a time there was", "A cat"], params)
+    compiled = []
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"])
+    try:
+        for batch in (["The little dog ran"], ["x y", "The sun was shining and the", "Tom", "Lily had a red ball, and"] * 3):
+            llm.generate(batch, params)
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+    assert compiled == []
