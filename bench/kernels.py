@@ -60,7 +60,7 @@ BATCHES = [1, 8, 32, 128, 256]
 LENGTHS = [1024, 8192, 32768]
 DECODE_VARIANTS = [DecodeConfig(64, 4, 5), DecodeConfig(64, 4, 5, split_p=False), DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 7),
                    DecodeConfig(64, 8, 5)]
-PREFILL_VARIANTS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 128, 8, 3, split_p=False), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 5),
+PREFILL_VARIANTS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 128, 8, 3, split_p=True), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 5),
                     PrefillConfig(64, 128, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(64, 64, 4, 5)]
 
 
@@ -415,9 +415,10 @@ def fmt(x, spec: str) -> str:
 
 
 def cfg_str(c) -> str:
-    p = "" if c.split_p else " (P one bf16 term)"
     if isinstance(c, DecodeConfig):
+        p = "" if c.split_p else " (P one bf16 term)"
         return f"N{c.block_n}/w{c.num_warps}/s{c.num_stages}{p}"
+    p = " (P two bf16 terms)" if c.split_p else ""
     return f"{c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}{p}"
 
 

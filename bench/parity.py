@@ -89,5 +89,14 @@ if __name__ == "__main__":
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--prefill-p-terms", type=int, choices=[1, 2], default=None,
+                    help="experiment: prefill attention's P @ V with P as 1 or 2 bf16 terms (default: the kernel's)")
     args = ap.parse_args()
+    if args.prefill_p_terms is not None:
+        import dataclasses
+
+        from kernels import triton_prefill
+
+        default = triton_prefill.default_prefill_config
+        triton_prefill.default_prefill_config = lambda *a: dataclasses.replace(default(*a), split_p=args.prefill_p_terms == 2)
     print("\n".join(check_parity(args.model, args.device, args.dtype, near_tie=1e-2)))

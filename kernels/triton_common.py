@@ -76,9 +76,10 @@ def upcast_dot(dtype: torch.dtype) -> bool:
 
 
 def split_p(dtype: torch.dtype) -> bool:
-    """bf16 keeps 8 bits of each probability, fp16 11, fp32 24. In bf16 the P @ V product
-    takes P as two bf16 terms (hi + lo, 16 bits together; see mma_pv), so attention
-    rounds about as the fp32 reference does."""
+    """bf16 keeps 8 bits of each probability, fp16 11, fp32 24. In bf16 a kernel configured
+    with split_p takes P in P @ V as two bf16 terms (hi + lo, 16 bits together; see mma_pv),
+    so attention rounds about as the fp32 reference does: decode does by default (it is
+    memory-bound, the second product is free), prefill does not (tensor-core bound)."""
     return dtype == torch.bfloat16
 
 

@@ -50,7 +50,10 @@ class PrefillConfig:
     block_n: int  # key tokens per loop step
     num_warps: int
     num_stages: int
-    split_p: bool = True  # bf16: P @ V with P as two bf16 terms (kernels.triton_common.mma_pv)
+    # bf16: P @ V with P as two bf16 terms (kernels.triton_common.mma_pv). Off by default here:
+    # prefill is tensor-core bound and the second product costs a third of its speed (316 ->
+    # 211 TFLOP/s for a 4k prompt on the H200, bench/results/kernels_h200.md).
+    split_p: bool = False
 
 
 def default_prefill_config(dtype: torch.dtype, head_dim: int) -> PrefillConfig:

@@ -293,9 +293,9 @@ def test_prefill_public_entry_point(device):
 
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 def test_bf16_attention_rounds_like_the_fp32_reference(device, kernel):
-    """bf16 P @ V takes P as two bf16 terms, so outputs equal the reference's (fp32 softmax,
-    rounded once) but for rare one-ulp ties; with P as one bf16 term about half of them
-    differ. The greedy-parity check of a bf16 model depends on this."""
+    """bf16 P @ V with P as two bf16 terms (decode's default, prefill's option) equals the
+    reference (fp32 softmax, rounded once) but for rare one-ulp ties; with P as one bf16 term
+    about half of the outputs differ. The greedy-parity check of a bf16 model depends on it."""
     gen = torch.Generator().manual_seed(11)
     lens, heads, head_dim = [200, 150], (4, 2), 64
     k_cache, v_cache, block_tables, seq_lens = make_paged_kv(lens, heads[1], head_dim, 16, torch.bfloat16, device, gen)
