@@ -1,30 +1,35 @@
 #!/usr/bin/env bash
-# The GPU results of bench/results/ in two parts, each under ten minutes, most important first.
-# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|all]
-#   a: GPU tests, skinny linear vs cuBLAS, greedy parity (bf16 Qwen3-0.6B shape), per-phase device
-#      times (B=1 and B=256), host profile of overlapped scheduling, overlapped throughput, latency
-#   b: headline throughput embedded + service mode (with the parity check), latency, prefix caching, kernels
+# The GPU results of bench/results/ in parts that each fit one ten-minute run.
+# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|all]
+#   a: GPU tests and numerics, greedy parity (bf16 Qwen3-0.6B shape), per-phase device times
+#      (B=1 and B=256), host profile of the engine step
+#   b: headline throughput embedded + service mode (with the parity check), batch-1 latency,
+#      prefix caching
+#   c: kernel tables (decode, prefill, baselines), skinny linear vs cuBLAS, prefix caching with
+#      synchronous scheduling
 set -uo pipefail
 out="${1:-bench/results}"
 part="${2:-all}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 run() { local name=$1; shift; echo "== $name"; timeout "$@" 2>&1 | grep -v "req/s\]\|it/s\]\|s/it\]\|\[transformers\]" | tail -${TAIL:-16}; }
-if [ "$part" = a ] || [ "$part" = all ]; then
+has() { [ "$part" = "$1" ] || [ "$part" = all ]; }
+if has a; then
   run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
   run gpu-kernel-numerics 60 python -m pytest -q tests/kernels/test_linear.py tests/kernels/test_kernels.py -k "skinny or dispatch or rounds_like"
-  run linear 60 python bench/linear.py --out "$out/linear_h200.md"
   run parity 120 python bench/parity.py
+  run parity-prefill-2-terms 120 python bench/parity.py --prefill-p-terms 2
   TAIL=40 run profile-b1 90 python bench/profile_gpu.py --batch 1 --context 512 --temperature 0 --rows 30
   run profile-b256 90 python bench/profile_gpu.py --batch 256 --context 600 --skip-eager
-  TAIL=45 run profile-step-overlap 100 python bench/profile_step.py --overlap --top 30
-  run throughput-overlap 90 python bench/throughput.py --overlap --out "$out/throughput_h200_overlapped.md"
-  run latency 90 python bench/latency.py --out "$out/latency_h200.md"
+  TAIL=45 run profile-step 100 python bench/profile_step.py --top 30
 fi
-if [ "$part" = b ] || [ "$part" = all ]; then
+if has b; then
   run throughput 240 python bench/throughput.py --check --mode service --out "$out/throughput_h200.md"
   run latency 90 python bench/latency.py --out "$out/latency_h200.md"
   run prefix 80 python bench/prefix.py --out "$out/prefix_h200.md"
-  run prefix-sync 80 python bench/prefix.py --no-overlap --out "$out/prefix_h200_sync.md"
+fi
+if has c; then
   run kernels 150 python bench/kernels.py --flex-budget-s 30 --out "$out/kernels_h200.md"
+  run linear 60 python bench/linear.py --out "$out/linear_h200.md"
+  run prefix-sync 80 python bench/prefix.py --no-overlap --out "$out/prefix_h200_sync.md"
 fi
