@@ -66,7 +66,10 @@ class ModelRunner:
         if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
             num_host_blocks = num_host_blocks(num_device_blocks, KVCachePools.bytes_per_block(self.config, block_size, self.dtype))
         self.pools = KVCachePools(self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype)
-        self.sampler = Sampler()
+        fused_sample = None
+        if self.ops.name == "triton":
+            from kernels.triton_sample import gumbel_sample as fused_sample
+        self.sampler = Sampler(fused_sample)
         max_len = min(self.config.max_position_embeddings, num_device_blocks * block_size)
         self.block_tables = HostBlockTables(-(-max_len // block_size))
         self.graphs = None

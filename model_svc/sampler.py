@@ -9,10 +9,13 @@ so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
 
@@ -184,9 +187,41 @@ def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | No
 
 
 class Sampler:
-    """sampler(logits (B, V) fp32, batch) -> SamplerOutput."""
+    """sampler(logits (B, V), batch) -> SamplerOutput.
+
+    fused: a one-pass kernel for plain temperature sampling (kernels.triton_sample), used for
+    batches whose sampled rows need nothing else: no top-k/top-p/min-p, penalties, logprobs
+    or seeded generators. Its noise comes from Philox keyed by a per-step seed drawn from
+    torch's global generator at construction, so unseeded sampling differs from the torch
+    path's draws but not in distribution. If the kernel fails (a compiler problem on some
+    device), the sampler logs it once and keeps to the torch path."""
+
+    def __init__(self, fused: Callable[..., torch.Tensor] | None = None) -> None:
+        self.fused = fused
+        self._seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if fused is not None else 0
+        self._calls = 0
+
+    def _fused_ok(self, batch: SamplingBatch) -> bool:
+        return (
+            self.fused is not None
+            and not batch.all_greedy
+            and batch.top_k is None
+            and batch.top_p is None
+            and batch.min_p is None
+            and batch.output_tokens is None
+            and batch.max_num_logprobs is None
+            and all(g is None for g in batch.generators)
+        )
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if self._fused_ok(batch):
+            self._calls += 1
+            seed = (self._seed + self._calls * 0x9E3779B1) & 0x7FFFFFFF
+            try:
+                return SamplerOutput(token_ids=self.fused(logits, batch.temperature, batch.greedy, seed))
+            except Exception:  # noqa: BLE001 - a kernel that cannot run here: fall back for good
+                logger.warning("fused sampling kernel failed; using the torch sampler from now on", exc_info=True)
+                self.fused = None
         raw_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32) if batch.max_num_logprobs is not None else None
         logits = logits.float()
         if batch.output_tokens is not None:

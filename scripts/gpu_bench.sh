@@ -16,7 +16,7 @@ run() { local name=$1; shift; echo "== $name"; timeout "$@" 2>&1 | grep -v "req/
 has() { [ "$part" = "$1" ] || [ "$part" = all ]; }
 if has a; then
   run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
-  run gpu-kernel-numerics 60 python -m pytest -q tests/kernels/test_linear.py tests/kernels/test_kernels.py -k "skinny or dispatch or rounds_like"
+  run gpu-kernel-numerics 60 python -m pytest -q tests/kernels/test_linear.py tests/kernels/test_sample.py tests/kernels/test_kernels.py -k "skinny or dispatch or rounds_like or greedy_rows or sampled_rows or seed_decides or sampler"
   run parity 120 python bench/parity.py
   run parity-prefill-2-terms 120 python bench/parity.py --prefill-p-terms 2
   TAIL=40 run profile-b1 90 python bench/profile_gpu.py --batch 1 --context 512 --temperature 0 --rows 30

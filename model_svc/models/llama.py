@@ -182,6 +182,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # (N, hidden)
         return self.model(input_ids, positions, kv_caches, attn)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (M, hidden) -> (M, vocab) fp32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (M, hidden) -> (M, vocab), model dtype
+        """The sampler widens to fp32 where it needs to (an fp32 copy of (M, vocab) is 156 MB a
+        step at M = 256 for Qwen3's vocabulary; the fused sampler reads bf16 directly)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.skinny).float()
+        return linear(hidden, weight, None, self.skinny)

@@ -1,0 +1,86 @@
+"""The one-pass Gumbel-max sampler (kernels.triton_sample) and the Sampler's dispatch to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.triton_sample import gumbel_sample
+from model_svc.sampler import Sampler, SamplingBatch, make_generator
+from scheduler_svc.sampling_params import SamplingParams
+
+PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.02])
+ORDER = torch.tensor([3, 0, 6, 1, 5, 2, 4])  # token id of each entry of PROBS
+
+
+def test_greedy_rows_are_the_first_argmax(device):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn((5, 300), generator=gen)
+    logits[1, [7, 150, 299]] = 9.0  # ties across chunks: the first wins
+    logits[2, [70, 71]] = 9.0  # ties inside a chunk
+    logits[3, :] = 0.0  # all equal: index 0
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(device, dtype)
+        temperature = torch.ones(5, device=device)
+        greedy = torch.ones(5, dtype=torch.bool, device=device)
+        assert torch.equal(gumbel_sample(x, temperature, greedy, seed=1).cpu(), x.float().argmax(-1).cpu())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampled_rows_follow_softmax_over_temperature(device, temperature):
+    draws = 20000 if device.type == "cuda" else 800  # the interpreter runs one program at a time
+    row = torch.full((7,), float("nan"))
+    row[ORDER] = PROBS.log()
+    logits = row.expand(draws, 7).contiguous().to(device, torch.bfloat16)
+    tokens = gumbel_sample(logits, torch.full((draws,), temperature, device=device),
+                           torch.zeros(draws, dtype=torch.bool, device=device), seed=12345)
+    freq = (torch.bincount(tokens.cpu(), minlength=7).float() / draws)[ORDER]
+    # bf16 logits of log(PROBS): the target is the softmax of what the kernel reads
+    expected = torch.softmax(row[ORDER].to(torch.bfloat16).float() / temperature, 0)
+    torch.testing.assert_close(freq, expected, atol=0.05 if draws < 5000 else 0.015, rtol=0)  # ~3 sigma
+
+
+def test_seed_decides_the_draw(device):
+    logits = torch.zeros((64, 50), device=device)
+    temperature = torch.ones(64, device=device)
+    greedy = torch.zeros(64, dtype=torch.bool, device=device)
+    a = gumbel_sample(logits, temperature, greedy, seed=7)
+    assert torch.equal(a, gumbel_sample(logits, temperature, greedy, seed=7))
+    assert not torch.equal(a, gumbel_sample(logits, temperature, greedy, seed=8))
+    assert len(set(a.tolist())) > 20  # uniform over 50 tokens: many distinct draws
+
+
+def _batch(params, generators=None) -> SamplingBatch:
+    n = len(params)
+    return SamplingBatch.build(params, [[]] * n, [[]] * n, generators, "cpu")
+
+
+def test_sampler_takes_the_kernel_only_for_plain_temperature_rows():
+    calls = []
+
+    def fused(logits, temperature, greedy, seed):
+        calls.append(seed)
+        return torch.zeros(logits.shape[0], dtype=torch.int64)
+
+    sampler = Sampler(fused)
+    logits = torch.randn(2, 16)
+    plain = [SamplingParams(temperature=0.7), SamplingParams(temperature=0)]
+    sampler(logits, _batch(plain))
+    sampler(logits, _batch(plain))
+    assert len(calls) == 2 and calls[0] != calls[1]  # a new seed every step
+    for other in ([SamplingParams(temperature=0.7, top_p=0.9)], [SamplingParams(temperature=0.7, top_k=5)],
+                  [SamplingParams(temperature=0.7, min_p=0.1)], [SamplingParams(temperature=0.7, logprobs=1)],
+                  [SamplingParams(temperature=0.7, presence_penalty=0.5)], [SamplingParams(temperature=0)]):
+        sampler(logits[:1], _batch(other))
+    sampler(logits[:1], _batch([SamplingParams(temperature=0.7, seed=3)], [make_generator(3, "cpu")]))
+    assert len(calls) == 2  # none of those took the kernel
+
+
+def test_sampler_falls_back_when_the_kernel_fails(caplog):
+    def broken(*args):
+        raise RuntimeError("no kernel here")
+
+    sampler = Sampler(broken)
+    out = sampler(torch.randn(3, 16), _batch([SamplingParams(temperature=0.7)] * 3))
+    assert out.token_ids.shape == (3,) and sampler.fused is None
+    assert "fused sampling kernel failed" in caplog.text
