@@ -1,8 +1,14 @@
 """The KV tensors of both pools and the copy lists that move blocks between them.
 
-Each pool is one tensor (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), so a
-swap or copy-on-write of a list of blocks is one indexed copy for all layers. The host pool
-is pinned when CUDA is present, so swaps are asynchronous DMA.
+The device pool is one tensor (num_layers, 2, num_blocks, block_size, num_kv_heads,
+head_dim): each layer's K and V are (num_blocks, block_size, Hkv, D) views, the layout the
+attention kernels read, and a copy-on-write of a list of blocks is one indexed copy for all
+layers. The host pool is block-major instead, (num_blocks, num_layers, 2, block_size, Hkv, D),
+so that one block is one contiguous chunk of bytes: a swap gathers the blocks on the device
+into the host's layout and moves each run of consecutive host blocks with one DMA. With CUDA
+the host pool is pinned and every copy is non-blocking, ordered on the device's stream with
+the step's other work (a swap-out before the writes into the freed blocks, a swap-in before
+the attention that reads them); the host never waits for a swap.
 """
 
 from __future__ import annotations
@@ -10,14 +16,37 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# Blocks gathered per staging buffer: bounds the transient device memory of a large swap.
+SWAP_CHUNK_BLOCKS = 256
+
+
+def _runs(values: list[int]) -> list[tuple[int, int, int]]:
+    """(position, first value, length) of each run of consecutive values, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for i, v in enumerate(values):
+        if runs and runs[-1][1] + runs[-1][2] == v:
+            pos, first, n = runs[-1]
+            runs[-1] = (pos, first, n + 1)
+        else:
+            runs.append((i, v, 1))
+    return runs
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """A block-id list on the device; on CUDA through pinned memory without waiting for it."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
 
 class KVCachePools:
     def __init__(self, config, block_size: int, num_device_blocks: int, num_host_blocks: int, device: torch.device, dtype: torch.dtype) -> None:
-        shape = (config.num_hidden_layers, 2, 0, block_size, config.num_key_value_heads, config.head_dim)
-        with_blocks = lambda n: shape[:2] + (n,) + shape[3:]  # noqa: E731
-        self.device_cache = torch.empty(with_blocks(num_device_blocks), dtype=dtype, device=device)
+        block = (block_size, config.num_key_value_heads, config.head_dim)
+        self.num_layers = config.num_hidden_layers
+        self.device_cache = torch.empty((self.num_layers, 2, num_device_blocks, *block), dtype=dtype, device=device)
         pin = device.type == "cuda"
-        self.host_cache = torch.empty(with_blocks(num_host_blocks), dtype=dtype, device="cpu", pin_memory=pin)
+        self.host_cache = torch.empty((num_host_blocks, self.num_layers, 2, *block), dtype=dtype, device="cpu", pin_memory=pin)
         # (k_cache, v_cache) views per layer: (num_blocks, block_size, Hkv, D)
         self.layer_caches = [(self.device_cache[i, 0], self.device_cache[i, 1]) for i in range(config.num_hidden_layers)]
 
@@ -32,37 +61,36 @@ class KVCachePools:
 
     @property
     def num_host_blocks(self) -> int:
-        return self.host_cache.shape[2]
+        return self.host_cache.shape[0]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device blocks -> host blocks."""
-        if not pairs:
-            return
-        src, dst = self._index(pairs, self.device_cache.device, torch.device("cpu"))
-        self.host_cache[:, :, dst] = self.device_cache[:, :, src].to("cpu")
+        dev = self.device_cache.device
+        for start in range(0, len(pairs), SWAP_CHUNK_BLOCKS):
+            chunk = pairs[start : start + SWAP_CHUNK_BLOCKS]
+            src = _index([s for s, _ in chunk], dev)
+            staged = self.device_cache.index_select(2, src).permute(2, 0, 1, 3, 4, 5).contiguous()  # host layout
+            for pos, first, n in _runs([d for _, d in chunk]):
+                self.host_cache[first : first + n].copy_(staged[pos : pos + n], non_blocking=True)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host blocks -> device blocks."""
-        if not pairs:
-            return
-        src, dst = self._index(pairs, torch.device("cpu"), self.device_cache.device)
-        staged = self.host_cache[:, :, src]
-        if self.device_cache.is_cuda:
-            staged = staged.pin_memory()
-        self.device_cache[:, :, dst] = staged.to(self.device_cache.device, non_blocking=True)
+        dev = self.device_cache.device
+        for start in range(0, len(pairs), SWAP_CHUNK_BLOCKS):
+            chunk = pairs[start : start + SWAP_CHUNK_BLOCKS]
+            staged = torch.empty((len(chunk), *self.host_cache.shape[1:]), dtype=self.host_cache.dtype, device=dev)
+            for pos, first, n in _runs([s for s, _ in chunk]):
+                staged[pos : pos + n].copy_(self.host_cache[first : first + n], non_blocking=True)
+            dst = _index([d for _, d in chunk], dev)
+            self.device_cache.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))
 
     def copy_device(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write inside the device pool."""
         if not pairs:
             return
         dev = self.device_cache.device
-        src, dst = self._index(pairs, dev, dev)
-        self.device_cache[:, :, dst] = self.device_cache[:, :, src]
-
-    @staticmethod
-    def _index(pairs: list[tuple[int, int]], src_device: torch.device, dst_device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        src, dst = zip(*pairs)
-        return torch.tensor(src, device=src_device), torch.tensor(dst, device=dst_device)
+        src, dst = _index([s for s, _ in pairs], dev), _index([d for _, d in pairs], dev)
+        self.device_cache.index_copy_(2, dst, self.device_cache.index_select(2, src))
 
 
 class HostBlockTables:
