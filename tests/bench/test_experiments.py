@@ -57,3 +57,13 @@ def test_memory_experiment_small(tmp_path):
     assert hm["tokens_written"] >= sum(trace.final_tokens.values()) - len(trace.final_tokens)
     for name in ("memory.png", "heatmap.png"):
         assert _is_png(tmp_path / name), name
+
+
+def test_result_plots_read_the_committed_tables(tmp_path):
+    from bench import plots
+
+    results = ROOT / "bench" / "results"
+    rows = plots.table_rows((results / "kernels_h200.md").read_text(), "| B | L |")
+    assert len(rows) == 15 and all(plots.number(r[6]) is not None for r in rows)  # 5 batches x 3 lengths
+    for path in (plots.decode_plot(results, tmp_path), plots.throughput_plot(results, tmp_path)):
+        assert _is_png(path)
