@@ -75,6 +75,7 @@ class ModelRunner:
         self.graphs = None
         self._last_sampled: torch.Tensor | None = None  # (B,) what the previous step sampled
         self._last_index: dict[str, int] = {}
+        self._batch_cache: tuple[list, list, SamplingBatch] | None = None  # see _sampling_batch
         # Step inputs through pinned host memory (non-blocking copies): launch() then never
         # waits for the step in flight, which overlapped scheduling needs.
         self.pinned_inputs = pinned_inputs and self.device.type == "cuda"
@@ -157,15 +158,28 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[self._h2d(np.asarray(rows, dtype=np.int64))])
         seqs = [s for _, s in sample_rows]
         states = [self.seqs[s.seq_id] for s in seqs]
-        params = [st.sampling for st in states]
-        prompts = outputs = None
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-            prompts = [st.token_ids[: st.num_prompt_tokens] for st in states]
-            outputs = [st.token_ids[st.num_prompt_tokens :] for st in states]
-        batch = SamplingBatch.build(params, prompts, outputs, [st.generator for st in states], self.device, self.pinned_inputs)
-        result = self.sampler(logits, batch)
+        result = self.sampler(logits, self._sampling_batch(states))
         self._remember_sampled(seqs, result.token_ids)
         return LaunchedStep(self, seqs, result.token_ids[:, None], result)
+
+    def _sampling_batch(self, states: list["_SeqState"]) -> SamplingBatch:
+        """The step's per-row sampling tensors. A decode batch usually has the rows of the step
+        before, so the last batch is reused when every row has the same params and generator
+        objects (the cache holds them, so no id is reused) and no row needs the token history."""
+        params = [st.sampling for st in states]
+        gens = [st.generator for st in states]
+        cached = self._batch_cache
+        if cached is not None and len(cached[0]) == len(params) \
+                and all(a is b for a, b in zip(cached[0], params)) and all(a is b for a, b in zip(cached[1], gens)):
+            return cached[2]
+        prompts = outputs = None
+        penalties = any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        if penalties:
+            prompts = [st.token_ids[: st.num_prompt_tokens] for st in states]
+            outputs = [st.token_ids[st.num_prompt_tokens :] for st in states]
+        batch = SamplingBatch.build(params, prompts, outputs, gens, self.device, self.pinned_inputs)
+        self._batch_cache = None if penalties else (params, gens, batch)
+        return batch
 
     def _fill_placeholders(self, ids_dev: torch.Tensor, placeholders: np.ndarray, seqs: list[SeqStep], seq_index: np.ndarray) -> None:
         """Decode inputs the host did not know: the tokens this runner sampled last step."""
