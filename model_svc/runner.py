@@ -23,6 +23,20 @@ from model_svc.step import PLACEHOLDER, SampledToken, SeqStep, StepInput, StepOu
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _ProfileSampling:
+    """Sampling knobs for the profiling forward: every truncation on (the costliest path)."""
+
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 0.9
+    min_p: float = 0.05
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+
+
 @dataclass(slots=True)
 class _SeqState:
     sampling: Any
@@ -61,15 +75,15 @@ class ModelRunner:
         self.config = model.config
         self.block_size = block_size
         self.enforce_eager = enforce_eager
-        if num_device_blocks is None:
-            num_device_blocks = self._profile_num_blocks(device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens)
-        if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
-            num_host_blocks = num_host_blocks(num_device_blocks, KVCachePools.bytes_per_block(self.config, block_size, self.dtype))
-        self.pools = KVCachePools(self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype)
         fused_sample = None
         if self.ops.name == "triton":
             from kernels.triton_sample import gumbel_sample as fused_sample
-        self.sampler = Sampler(fused_sample)
+        self.sampler = Sampler(fused_sample)  # before profiling: the profile runs it
+        if num_device_blocks is None:
+            num_device_blocks = self._profile_num_blocks(device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens, max_num_seqs)
+        if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
+            num_host_blocks = num_host_blocks(num_device_blocks, KVCachePools.bytes_per_block(self.config, block_size, self.dtype))
+        self.pools = KVCachePools(self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype)
         max_len = min(self.config.max_position_embeddings, num_device_blocks * block_size)
         self.block_tables = HostBlockTables(-(-max_len // block_size))
         self.graphs = None
@@ -97,7 +111,7 @@ class ModelRunner:
         return self.pools.num_host_blocks
 
     # ----------------------------------------------------------------- sizing
-    def _profile_num_blocks(self, fraction: float, cpu_bytes: int, max_tokens: int) -> int:
+    def _profile_num_blocks(self, fraction: float, cpu_bytes: int, max_tokens: int, max_seqs: int = 256) -> int:
         block_bytes = KVCachePools.bytes_per_block(self.config, self.block_size, self.dtype)
         if self.device.type != "cuda":
             return max(16, cpu_bytes // block_bytes)
@@ -115,7 +129,11 @@ class ModelRunner:
         )
         with torch.inference_mode():
             hidden = self.model(ids, torch.arange(n, device=self.device), [(None, None)] * self.config.num_hidden_layers, meta)
-            self.model.compute_logits(hidden[-256:])
+            # The sampler at the largest batch with every truncation on (its sorts are the
+            # largest temporaries): counted in the peak, and its blocks stay in the allocator.
+            rows = min(n, max_seqs)
+            knobs = _ProfileSampling()
+            self.sampler(self.model.compute_logits(hidden[-rows:]), SamplingBatch.build([knobs] * rows, None, None, None, self.device))
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)

@@ -24,7 +24,9 @@ if has a; then
   TAIL=45 run profile-step 100 python bench/profile_step.py --top 30
 fi
 if has b; then
-  run throughput 240 python bench/throughput.py --check --mode service --out "$out/throughput_h200.md"
+  run throughput 150 python bench/throughput.py --repeats 3 --out "$out/throughput_h200.md"
+  run throughput-sync 150 python bench/throughput.py --no-overlap --repeats 3 --out "$out/throughput_h200_sync.md"
+  run throughput-service 240 python bench/throughput.py --check --mode service --out "$out/throughput_h200_service.md"
   run latency 90 python bench/latency.py --out "$out/latency_h200.md"
   run prefix 80 python bench/prefix.py --out "$out/prefix_h200.md"
 fi
