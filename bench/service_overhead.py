@@ -134,11 +134,11 @@ class Services:
                 p.kill()
 
 
-def bench_service_engine(services: Services, prompts, max_tokens, repeats: int) -> dict:
+def bench_service_engine(services: Services, prompts, max_tokens, repeats: int, pipelined: bool = False) -> dict:
     from model_svc.step import StepInput
     from scheduler_svc.remote_engine import build_service_engine
 
-    engine = build_service_engine(services.config())
+    engine = build_service_engine(services.config(async_scheduling=pipelined))
     run_engine(engine, prompts[:2], [4, 4])  # warm-up
     kv, model = engine.kv, engine.model
 
@@ -244,6 +244,8 @@ def main() -> None:
             services = Services(url)
             try:
                 results[f"service ({store} store), engine here"] = bench_service_engine(services, prompts, max_tokens, args.repeats)
+                results[f"service ({store} store), engine here, pipelined"] = bench_service_engine(
+                    services, prompts, max_tokens, args.repeats, pipelined=True)
                 if store == "memory":
                     results[f"service ({store} store), Generate"] = bench_generate(services, prompts, max_tokens, args.repeats)
             finally:
@@ -265,7 +267,7 @@ def main() -> None:
     for name, r in results.items():
         if "apply_ms" in r:
             overhead = r["apply_ms"] + r["step_ms"] - base["model_ms"]
-            lines.append(f"| {name.split('(')[1].split()[0]} | {r['apply_ms']:.3f} | {r['step_ms']:.3f} | {base['model_ms']:.3f} "
+            lines.append(f"| {name.split('(')[1].split()[0]}{', pipelined' if name.endswith('pipelined') else ''} | {r['apply_ms']:.3f} | {r['step_ms']:.3f} | {base['model_ms']:.3f} "
                          f"| {r['empty_step_ms']:.3f} | {overhead:.3f} |")
     lines += ["", "RPC overhead = ApplyStep + remote Step - local model time (the KV ops on the scheduler's local copy "
               "cost the same in both modes). ApplyStep overlaps the model call: its column is the engine's time spent on it "

@@ -92,7 +92,7 @@ def run_service(args, runner_config_path: str, model=None):
         model_args.append("--torch-threads=1")
     services = Services(None, model_args)
     config = services.config(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             num_scheduler_steps=args.num_scheduler_steps)
+                             num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.service_pipelined)
     return LLM.from_engine(build_service_engine(config, skip_tokenizer_init=True)), services
 
 
@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
+    ap.add_argument("--service-pipelined", action="store_true",
+                    help="service mode: the scheduler sends step k+1 while the model service runs step k")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)")
     ap.add_argument("--repeats", type=int, default=1, help="time the workload this many times in one process (median reported)")
@@ -175,7 +177,7 @@ def main() -> None:
             services.close()
         svc_tok_s = svc_out / svc_seconds
         ratio = f"{svc_tok_s / sync_tok_s:.1%} of embedded synchronous" + (f", {svc_tok_s / tok_s:.1%} of embedded overlapped" if overlapped else "")
-        extra_rows.append(f"| service (3 processes, gRPC) | {svc_out} | {svc_seconds:.2f} | {svc_tok_s:,.0f} | | {ratio} | "
+        extra_rows.append(f"| service (3 processes, gRPC{', pipelined' if args.service_pipelined else ''}) | {svc_out} | {svc_seconds:.2f} | {svc_tok_s:,.0f} | | {ratio} | "
                           f"{svc.engine.scheduler.stats.num_steps} | |")
     roof = roofline_tok_s(runner_config, [len(p) for p in prompts], [p.max_tokens for p in params], bw, fl) if dev.type == "cuda" else float("nan")
     lines = [

@@ -15,13 +15,23 @@ step's tokens are used only once both answers are in. Around them:
   recomputed on the resynced state (the model's answer for that step is dropped).
 - A KV service down while the model answered: the model's answer is kept with the step and
   used once a later commit gets through (the model step is not run twice).
+
+Pipelined (`async_scheduling: true` in the scheduler section; off by default): the model Step
+of step k is sent from a sender thread, and while the model service runs it this process
+reads back step k-1, schedules step k+1 (tokens still being sampled go as placeholders, which
+the model service resolves from its last sample) and sends it, so the model service always
+has the next step queued. Any failure with steps in flight drains them and recomputes every
+unfinished request (a model restart, a peer down, a KV resync alike): simpler than keeping
+two steps' retries apart, and greedy requests end with the same tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from kvcache_svc.client import KVClient, KVOutOfSync, KVUnavailable
 from kvcache_svc.ops import PoolConfig
@@ -41,6 +51,15 @@ def pool_config(model: RemoteModel, enable_prefix_caching: bool) -> PoolConfig:
     return PoolConfig(info.num_device_blocks, info.num_host_blocks, info.block_size, enable_prefix_caching, info.epoch)
 
 
+@dataclass
+class _InFlight:
+    """A pipelined step: scheduled, its KV batch and model Step sent, not yet read back."""
+
+    sched: SchedulerOutput
+    model: Future  # -> StepOutput
+    wait_kv: Callable[[], None] | None  # None once awaited
+
+
 class ServiceEngine(LLMEngine):
     def __init__(self, config: EngineConfig, model: RemoteModel, kv: KVClient, tokenizer: Any) -> None:
         super().__init__(config, model=model, tokenizer=tokenizer, model_config=model.config, kv=kv)
@@ -53,12 +72,19 @@ class ServiceEngine(LLMEngine):
         self._restarted = False  # the model came back empty: recompute before the next step
         self.num_steps = 0
         self.num_recoveries = 0
+        self.pipelined = config.async_scheduling is True and config.num_scheduler_steps == 1
+        self._inflight: _InFlight | None = None
+        self._next: SchedulerOutput | None = None
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-step") if self.pipelined else None
 
     def has_unfinished(self) -> bool:
-        return super().has_unfinished() or self.kv.has_pending() or self._pending is not None or self._restarted
+        return (super().has_unfinished() or self.kv.has_pending() or self._pending is not None or self._restarted
+                or self._inflight is not None or self._next is not None)
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        if self.pipelined:
+            return self._step_pipelined()
         try:
             if self._restarted:
                 self._recompute_after_restart()
@@ -96,6 +122,89 @@ class ServiceEngine(LLMEngine):
         outputs = self._process(sched, result)
         self.scheduler.update(sched)  # after the tokens of multi-step sub-steps are appended
         return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        try:
+            if self._restarted:
+                self._recompute_after_restart()
+            sched = self._next if self._next is not None else self.scheduler.schedule()
+            self._next = None
+            _drop_finished(sched)  # aborted since it was scheduled
+            inp = sched.step
+            outputs: list[RequestOutput] = []
+            if self._inflight is not None and any(s.request.sampling.has_penalties for s in sched.scheduled):
+                outputs += self._drain()  # penalties read the token history: no overlap this step
+            launched = None
+            if inp.seqs or inp.swap_out or inp.swap_in or inp.copies or inp.finished:
+                timeout = self._timeout(sched)
+                self._await_kv()  # one KV batch in flight at a time
+                wait_kv = self.kv.start_commit(timeout)
+                launched = _InFlight(sched, self._sender.submit(self.model.step, inp, timeout), wait_kv)
+            was_inflight = self._inflight is not None
+            outputs += self._drain()
+            if launched is not None:
+                self._inflight = launched
+                self.scheduler.update(sched)
+            else:
+                self.kv.commit()
+                if not was_inflight and self.scheduler.has_unfinished() and not self.scheduler.running:
+                    raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
+            if self.scheduler.has_unfinished():
+                self._next = self.scheduler.schedule()
+            return outputs
+        except (ModelRestarted, ModelUnavailable, KVUnavailable, KVOutOfSync) as exc:
+            self._abandon_pipeline(exc)
+            return []
+        except Exception:
+            self._settle()
+            raise
+
+    def _await_kv(self) -> None:
+        if self._inflight is not None and self._inflight.wait_kv is not None:
+            wait, self._inflight.wait_kv = self._inflight.wait_kv, None
+            wait()
+
+    def _drain(self) -> list[RequestOutput]:
+        """Read back the step in flight: its KV batch confirmed, then the model's tokens."""
+        if self._inflight is None:
+            return []
+        self._await_kv()
+        result = self._inflight.model.result()
+        sched, self._inflight = self._inflight.sched, None
+        self.num_steps += 1
+        self.unavailable = None  # a step went through: the peers are back
+        return self._process(sched, result)
+
+    def _settle(self) -> None:
+        """Wait for whatever is in flight (its outcome no longer matters) and forget it."""
+        inflight, self._inflight, self._next = self._inflight, None, None
+        if inflight is None:
+            return
+        for wait in (inflight.model.result, inflight.wait_kv):
+            if wait is None:
+                continue
+            try:
+                wait()
+            except Exception:  # noqa: BLE001 - the failure being handled, or one like it
+                pass
+
+    def _abandon_pipeline(self, exc: Exception) -> None:
+        """A peer failed with steps in flight: drop them and recompute every unfinished request
+        (their sampled-but-unread tokens are sampled again)."""
+        self._settle()
+        if isinstance(exc, ModelRestarted):
+            self._on_restart(str(exc))
+            return
+        if isinstance(exc, KVOutOfSync):
+            self._recompute_after_resync(str(exc))
+            return
+        if self.unavailable is None:
+            logger.warning("step waits for a peer: %s", exc)
+        self.unavailable = str(exc)
+        forget = list(self.scheduler.pending_finished)
+        self.scheduler.recompute_all()
+        self.scheduler.pending_finished = forget
+        self.num_recoveries += 1
 
     def _run_model(self, inp: StepInput, timeout: float | None) -> StepOutput:
         """The model step with the step's ApplyStep in flight (it hides the ApplyStep round
@@ -190,6 +299,7 @@ def build_service_engine(config: Any, skip_tokenizer_init: bool = False) -> Serv
         enable_prefix_caching=s.enable_prefix_caching, enable_chunked_prefill=s.enable_chunked_prefill,
         preemption_mode=s.preemption_mode, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
         max_model_len=s.max_model_len, num_scheduler_steps=s.num_scheduler_steps, skip_tokenizer_init=skip_tokenizer_init,
+        async_scheduling=s.async_scheduling,
     )
     logger.info("connected: model %s (epoch %s, %d/%d blocks), kvcache %s (%s state)", info.model, info.epoch,
                 info.num_device_blocks, info.num_host_blocks, config.kvcache.address, "adopted" if adopted else "reset")

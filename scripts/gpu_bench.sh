@@ -27,6 +27,7 @@ if has b; then
   run throughput 150 python bench/throughput.py --repeats 3 --out "$out/throughput_h200.md"
   run throughput-sync 150 python bench/throughput.py --no-overlap --repeats 3 --out "$out/throughput_h200_sync.md"
   run throughput-service 240 python bench/throughput.py --check --mode service --out "$out/throughput_h200_service.md"
+  run throughput-service-pipelined 200 python bench/throughput.py --mode service --service-pipelined --out "$out/throughput_h200_service_pipelined.md"
   run latency 90 python bench/latency.py --out "$out/latency_h200.md"
   run prefix 80 python bench/prefix.py --out "$out/prefix_h200.md"
 fi

@@ -73,13 +73,13 @@ class ScriptedModel:
                            for s in inp.seqs if s.sample])
 
 
-def make_engine(model: ScriptedModel) -> tuple[ServiceEngine, KVCacheService]:
+def make_engine(model: ScriptedModel, pipelined: bool = False) -> tuple[ServiceEngine, KVCacheService]:
     service = KVCacheService(MemoryStore())
     service.load()
     kv = KVClient(InProcessTransport(service))
     kv.connect(pool_config(model, True))
     kv.commit()
-    config = EngineConfig(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32)
+    config = EngineConfig(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32, async_scheduling=pipelined or None)
     return ServiceEngine(config, model, kv, FakeTokenizer()), service
 
 
@@ -237,4 +237,60 @@ def test_mismatch_after_the_model_ran_resets_instead_of_adopting(reference):
     assert run(engine, disturb) == reference
     assert engine.num_recoveries == 1
     assert service.manager is not managers[0]  # the pools were reset, not adopted
+    assert_clean(service)
+
+
+# ---- pipelined (async_scheduling): the model Step of step k+1 is sent while step k runs
+
+
+@pytest.mark.parametrize("disturbance", ["none", "model down", "model restart", "kv down", "kv lost state", "kv mismatch"])
+def test_pipelined_engine_ends_with_the_undisturbed_tokens(reference, disturbance):
+    model = ScriptedModel()
+    engine, service = make_engine(model, pipelined=True)
+    assert engine.pipelined
+    check = service
+    if disturbance == "model down":
+        disturb = lambda n: setattr(model, "down", 3) if n == 5 else None  # noqa: E731
+    elif disturbance == "model restart":
+        disturb = lambda n: model.restart() if n in (4, 11) else None  # noqa: E731
+    elif disturbance == "kv down":
+        engine.kv.transport = flaky = FlakyTransport(service)
+        disturb = lambda n: setattr(flaky, "down", 3) if n == 5 else None  # noqa: E731
+    elif disturbance == "kv lost state":
+        check = KVCacheService(MemoryStore())
+        check.load()
+        disturb = lambda n: setattr(engine.kv, "transport", InProcessTransport(check)) if n == 6 else None  # noqa: E731
+    elif disturbance == "kv mismatch":
+        disturb = lambda n: service.apply_step(service.step + 1, [AllocateOp("intruder", [1, 2, 3], 3)]) if n == 6 else None  # noqa: E731
+    else:
+        disturb = None
+    assert run(engine, disturb) == reference
+    if disturbance == "none":
+        assert engine.num_recoveries == 0 and engine.num_steps >= 20
+    assert engine.unavailable is None
+    assert_clean(check)
+
+
+def test_pipelined_engine_keeps_the_model_one_step_ahead():
+    """While step k is read back, step k+1 is already with the model: the scripted model sees
+    placeholder tokens for the tokens it is still sampling."""
+    from model_svc.step import PLACEHOLDER
+
+    model = ScriptedModel()
+    fed = []
+    step = model.step
+    model.step = lambda inp, timeout=None: (fed.append([t for s in inp.seqs for t in s.token_ids]), step(inp, timeout))[1]
+    engine, service = make_engine(model, pipelined=True)
+    run(engine)
+    assert any(PLACEHOLDER in tokens for tokens in fed)
+    assert_clean(service)
+
+
+def test_pipelined_abort_frees_blocks(reference):
+    model = ScriptedModel()
+    engine, service = make_engine(model, pipelined=True)
+    aborted = []
+    out = run(engine, lambda n: aborted.append(engine.abort("r1")) if n == 4 else None)
+    assert out == {"r0": reference["r0"], "r2": reference["r2"]}
+    assert aborted[0].finish_reason == "abort"
     assert_clean(service)

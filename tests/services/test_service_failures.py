@@ -19,11 +19,12 @@ LONG = dict(temperature=0.0, max_tokens=200, ignore_eos=True)
 STREAM_PROMPTS = [f"Once upon a time {i}" for i in range(6)] + ["Lily and Tom went to the park."] * 2
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, redis_server):
-    # Multi-step decoding on here (embedded runs single-step): the tokens must not change.
+@pytest.fixture(scope="module", params=["multi-step", "pipelined"])
+def stack(request, tmp_path_factory, redis_server):
+    # Multi-step decoding, or the pipelined step (embedded runs neither): the tokens must not change.
+    args = ["--num-scheduler-steps", "4"] if request.param == "multi-step" else ["--async-scheduling"]
     s = Stack(tmp_path_factory.mktemp("svc-redis"), redis_url=redis_server.url, deployment="failures" + uuid.uuid4().hex[:8],
-              scheduler_args=["--num-scheduler-steps", "4"])
+              scheduler_args=args)
     yield s
     s.close()
 
