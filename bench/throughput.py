@@ -96,6 +96,21 @@ def run_service(args, runner_config_path: str, model=None):
     return LLM.from_engine(build_service_engine(config, skip_tokenizer_init=True)), services
 
 
+def hf_row(args, runner, prompts, params, tok_s: float) -> str:
+    """transformers' continuous batching on the same weights and workload, as a table row."""
+    from bench.hf_peer import run_hf_continuous_batching
+    from model_svc.loader import save_model
+
+    if runner.random_weights:  # hand the weights over through the model directory
+        save_model(runner.model, runner.model_path)
+    try:
+        seconds, n = run_hf_continuous_batching(runner.model_path, prompts, [p.max_tokens for p in params], params[0].temperature,
+                                                runner.device, runner.dtype)
+    except Exception as exc:  # noqa: BLE001 - an API of transformers that moves: report it, keep the run
+        return f"| transformers continuous batching | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} | | | | | | |"
+    return f"| transformers continuous batching | {n} | {seconds:.2f} | {n / seconds:,.0f} | | {n / seconds / tok_s:.1%} of embedded | | |"
+
+
 def timed_generate(llm, prompts, params, device) -> tuple[float, int]:
     from scheduler_svc import SamplingParams
 
@@ -128,6 +143,8 @@ def main() -> None:
                     help="service mode: the scheduler sends step k+1 while the model service runs step k")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)")
+    ap.add_argument("--peer", choices=["hf"], default=None,
+                    help="hf: also time transformers' continuous batching on the same weights and workload")
     ap.add_argument("--repeats", type=int, default=1, help="time the workload this many times in one process (median reported)")
     ap.add_argument("--check", action="store_true", help="first check greedy parity of the optimized path vs the plain one")
     ap.add_argument("--out", default=None, help="write a markdown result here")
@@ -156,6 +173,8 @@ def main() -> None:
     embedded_preemptions = (stats.num_preemptions - preemptions_before) // len(runs)
     num_device_blocks, runner_config, graphs = runner.num_device_blocks, runner.config, runner.graphs is not None
     extra_rows = []
+    if args.peer == "hf":
+        extra_rows.append(hf_row(args, runner, prompts, params, tok_s))
     if args.mode == "service":  # embedded first (the reference), then the services, same run
         sync_tok_s = tok_s
         if overlapped:  # the services step synchronously: time embedded that way too, like for like

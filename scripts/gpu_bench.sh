@@ -6,7 +6,7 @@
 #   b: headline throughput embedded + service mode (with the parity check), batch-1 latency,
 #      prefix caching
 #   c: kernel tables (decode, prefill, baselines), skinny linear vs cuBLAS, prefix caching with
-#      synchronous scheduling
+#      synchronous scheduling, transformers' continuous batching on the headline workload
 set -uo pipefail
 out="${1:-bench/results}"
 part="${2:-all}"
@@ -35,4 +35,5 @@ if has c; then
   run kernels 150 python bench/kernels.py --flex-budget-s 30 --out "$out/kernels_h200.md"
   run linear 60 python bench/linear.py --out "$out/linear_h200.md"
   run prefix-sync 80 python bench/prefix.py --no-overlap --out "$out/prefix_h200_sync.md"
+  run throughput-hf-peer 300 python bench/throughput.py --peer hf --out "$out/throughput_h200_hf_peer.md"
 fi
