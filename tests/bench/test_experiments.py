@@ -67,3 +67,21 @@ def test_result_plots_read_the_committed_tables(tmp_path):
     assert len(rows) == 15 and all(plots.number(r[6]) is not None for r in rows)  # 5 batches x 3 lengths
     for path in (plots.decode_plot(results, tmp_path), plots.throughput_plot(results, tmp_path)):
         assert _is_png(path)
+
+
+@pytest.mark.timeout(300)
+def test_hf_peer_runs_the_workload_with_per_request_lengths(tmp_path):
+    """`bench/throughput.py --peer hf` on a tiny random model: transformers' continuous
+    batching generates exactly each request's max_tokens (EOS ignored)."""
+    import torch
+
+    from bench.common import build_runner
+    from bench.hf_peer import run_hf_continuous_batching
+    from model_svc.loader import save_model
+
+    _, runner = build_runner("tiny", "cpu", "float32", num_device_blocks=64)
+    save_model(runner.model, tmp_path)
+    prompts = [[5, 6, 7, 8], list(range(10, 40)), [9] * 17]
+    lengths = [3, 11, 6]
+    seconds, tokens = run_hf_continuous_batching(str(tmp_path), prompts, lengths, 0.6, torch.device("cpu"), torch.float32)
+    assert tokens == sum(lengths) and seconds > 0
