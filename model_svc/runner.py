@@ -276,22 +276,22 @@ class ModelRunner:
 
     def _prepare(self, seqs: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, SeqStep]]]:
         """Flatten the batch. Block tables come from the persistent host table (rows updated
-        by diffs), and every per-token and per-sequence array travels in one host-to-device
-        copy."""
+        by diffs); the slot mapping is computed from them on the host, and every per-token and
+        per-sequence array travels in one host-to-device copy."""
         num_seqs = len(seqs)
         lens = [len(s.token_ids) for s in seqs]
         num_tokens = sum(lens)
         packed = np.empty(3 * num_tokens + 2 * num_seqs + 1, dtype=np.int64)
-        ids, pos, seq_index = packed[:num_tokens], packed[num_tokens : 2 * num_tokens], packed[2 * num_tokens : 3 * num_tokens]
+        ids, pos, slots = packed[:num_tokens], packed[num_tokens : 2 * num_tokens], packed[2 * num_tokens : 3 * num_tokens]
         seq_lens, cu = packed[3 * num_tokens : 3 * num_tokens + num_seqs], packed[3 * num_tokens + num_seqs :]
         if num_tokens == num_seqs:  # decode: one token each
             ids[:] = [s.token_ids[0] for s in seqs]
             pos[:] = [s.start_pos for s in seqs]
-            seq_index[:] = np.arange(num_seqs)
+            seq_index = np.arange(num_seqs)
         else:
             ids[:] = [t for s in seqs for t in s.token_ids]
             pos[:] = np.concatenate([np.arange(s.start_pos, s.start_pos + n) for s, n in zip(seqs, lens)])
-            seq_index[:] = np.repeat(np.arange(num_seqs), lens)
+            seq_index = np.repeat(np.arange(num_seqs), lens)
         seq_lens[:] = [s.start_pos + n for s, n in zip(seqs, lens)]
         cu[0] = 0
         np.cumsum(lens, out=cu[1:])
@@ -299,23 +299,23 @@ class ModelRunner:
         states = [self.seqs[s.seq_id] for s in seqs]
         width = max(st.num_blocks for st in states)
         tables = self.block_tables.rows([st.row for st in states], width)
+        bs = self.block_size
+        slots[:] = tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs  # on the host: no kernels
         packed_dev = self._h2d(packed)
         placeholders = np.flatnonzero(ids == PLACEHOLDER)
         if placeholders.size:
             self._fill_placeholders(packed_dev[:num_tokens], placeholders, seqs, seq_index)
         block_tables = self._h2d(tables)
         t = num_tokens
-        ids_dev, pos_dev, idx_dev = packed_dev[:t], packed_dev[t : 2 * t], packed_dev[2 * t : 3 * t]
-        bs = self.block_size
-        slot_mapping = block_tables[idx_dev, pos_dev // bs].long() * bs + pos_dev % bs
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_mapping=packed_dev[2 * t : 3 * t],
             block_tables=block_tables,
             seq_lens=packed_dev[3 * t : 3 * t + num_seqs].to(torch.int32),
             cu_seqlens_q=packed_dev[3 * t + num_seqs :].to(torch.int32),
             is_decode=num_tokens == num_seqs,
             max_seq_len=int(seq_lens.max()),
         )
+        ids_dev, pos_dev = packed_dev[:t], packed_dev[t : 2 * t]
         return ids_dev, pos_dev, meta, sample_rows
 
 
