@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU results of bench/results/ in parts that each fit one ten-minute run.
-# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|all]
+# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|all]
 #   a: GPU tests and numerics, greedy parity (bf16 Qwen3-0.6B shape), per-phase device times
 #      (B=1 and B=256), host profile of the engine step
 #   b: headline throughput embedded + service mode (with the parity check), batch-1 latency,
 #      prefix caching
 #   c: kernel tables (decode, prefill, baselines), skinny linear vs cuBLAS, prefix caching with
-#      synchronous scheduling, transformers' continuous batching on the headline workload
+#      synchronous scheduling, swap vs recompute, service mode with the pipelined scheduler
+#   d: transformers' continuous batching on the headline workload (BENCHMARKS.md: ~618 tok/s)
 set -uo pipefail
 out="${1:-bench/results}"
 part="${2:-all}"
@@ -27,7 +28,6 @@ if has b; then
   run throughput 150 python bench/throughput.py --repeats 3 --out "$out/throughput_h200.md"
   run throughput-sync 150 python bench/throughput.py --no-overlap --repeats 3 --out "$out/throughput_h200_sync.md"
   run throughput-service 240 python bench/throughput.py --check --mode service --out "$out/throughput_h200_service.md"
-  run throughput-service-pipelined 200 python bench/throughput.py --mode service --service-pipelined --out "$out/throughput_h200_service_pipelined.md"
   run latency 90 python bench/latency.py --out "$out/latency_h200.md"
   run prefix 80 python bench/prefix.py --out "$out/prefix_h200.md"
 fi
@@ -35,5 +35,9 @@ if has c; then
   run kernels 150 python bench/kernels.py --flex-budget-s 30 --out "$out/kernels_h200.md"
   run linear 60 python bench/linear.py --out "$out/linear_h200.md"
   run prefix-sync 80 python bench/prefix.py --no-overlap --out "$out/prefix_h200_sync.md"
-  run throughput-hf-peer 300 python bench/throughput.py --peer hf --out "$out/throughput_h200_hf_peer.md"
+  run swap 120 python bench/swap.py --out "$out/swap_h200.md"
+  run throughput-service-pipelined 200 python bench/throughput.py --mode service --service-pipelined --out "$out/throughput_h200_service_pipelined.md"
+fi
+if has d; then
+  run throughput-hf-peer 500 python bench/throughput.py --peer hf --out "$out/throughput_h200_hf_peer.md"
 fi
