@@ -7,6 +7,7 @@ tokens fed so far (for penalties) and the sampling state; each step brings the d
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -90,6 +91,9 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None  # (B,) what the previous step sampled
         self._last_index: dict[str, int] = {}
         self._batch_cache: tuple[list, list, SamplingBatch] | None = None  # see _sampling_batch
+        # The model service reads a step back on one thread while it launches the next on
+        # another; both touch the sequences' token histories.
+        self._state_lock = threading.Lock()
         # Step inputs through pinned host memory (non-blocking copies): launch() then never
         # waits for the step in flight, which overlapped scheduling needs.
         self.pinned_inputs = pinned_inputs and self.device.type == "cuda"
@@ -153,10 +157,11 @@ class ModelRunner:
         """Queue the step's device work and return at once; `result()` waits for the sampled
         tokens. The host can schedule the next step meanwhile: a decode token given as
         PLACEHOLDER is taken on the device from what this runner sampled last."""
-        for seq_id in inp.finished:
-            state = self.seqs.pop(seq_id, None)
-            if state is not None:
-                self.block_tables.release(state.row)
+        with self._state_lock:
+            for seq_id in inp.finished:
+                state = self.seqs.pop(seq_id, None)
+                if state is not None:
+                    self.block_tables.release(state.row)
         # Swap-outs first: a block they free may be the target of a copy, swap-in or write;
         # copies before swap-ins: a copy's source may have been freed and handed out again.
         self.pools.swap_out(inp.swap_out)
@@ -164,8 +169,9 @@ class ModelRunner:
         self.pools.swap_in(inp.swap_in)
         if not inp.seqs:
             return LaunchedStep(self, [], None)
-        for s in inp.seqs:
-            self._update_seq(s)
+        with self._state_lock:
+            for s in inp.seqs:
+                self._update_seq(s)
         input_ids, positions, meta, sample_rows = self._prepare(inp.seqs)
         if inp.num_steps > 1:
             return self._multi_step(inp, input_ids, positions, meta)
@@ -344,11 +350,12 @@ class LaunchedStep:
         tokens = self._host.tolist()  # (B, num_steps)
         runner = self.runner
         out = StepOutput([SampledToken(s.seq_id, toks[0], extra_token_ids=toks[1:]) for s, toks in zip(self.seqs, tokens)])
-        for s, toks in zip(self.seqs, tokens):
-            state = runner.seqs.get(s.seq_id)
-            if state is not None:  # history for penalties: the tokens sampled here, by position
-                end = s.start_pos + len(s.token_ids)
-                state.token_ids[end:] = toks
+        with runner._state_lock:  # the model service may be launching the next step meanwhile
+            for s, toks in zip(self.seqs, tokens):
+                state = runner.seqs.get(s.seq_id)
+                if state is not None:  # history for penalties: the tokens sampled here, by position
+                    end = s.start_pos + len(s.token_ids)
+                    state.token_ids[end:] = toks
         result = self.sampler_out
         if result is not None and result.logprobs is not None:
             logprobs = result.logprobs.tolist()

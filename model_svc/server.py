@@ -85,10 +85,14 @@ class ModelService:
                          str(r.device), str(r.dtype))
 
     def step(self, expected_epoch: str, inp: StepInput) -> StepOutput:
+        return self.launch(expected_epoch, inp).result()
+
+    def launch(self, expected_epoch: str, inp: StepInput) -> Any:
+        """Queue the step on the device (ModelRunner.launch); `.result()` reads it back."""
         runner = self._ready()
         if expected_epoch != self.epoch:
             raise EpochMismatch(f"step for epoch {expected_epoch or '(none)'}; this service is epoch {self.epoch}")
-        return runner.step(inp)
+        return runner.launch(inp)
 
     def _ready(self) -> Any:
         if self.runner is None:
@@ -105,14 +109,20 @@ def info_to_pb(i: ModelInfo) -> pb.GetInfoResponse:
 
 
 class ModelServicer(pb_grpc.ModelServiceServicer):
+    """Steps are launched on one thread and read back on another, each in arrival order: a
+    scheduler that sends step k+1 before step k's answer (pipelined) gets k+1 queued on the
+    device while k is read back."""
+
     def __init__(self, service: ModelService, executor: ThreadPoolExecutor) -> None:
         self.service = service
         self.executor = executor
+        self.readback = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-readback")
 
     async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         inp = convert.step_from_pb(request)
         loop = asyncio.get_running_loop()
-        out = await loop.run_in_executor(self.executor, self.service.step, request.expected_epoch, inp)
+        launched = await loop.run_in_executor(self.executor, self.service.launch, request.expected_epoch, inp)
+        out = await loop.run_in_executor(self.readback, launched.result)
         return convert.output_to_pb(out, self.service.epoch)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
