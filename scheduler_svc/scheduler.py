@@ -240,8 +240,11 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             num_blocks = len(self.kv.block_table(req.request_id))
-            # Room for the blocks and for the next token's block, so the decode can run now.
-            if num_blocks + 1 > self.kv.num_free_blocks(Tier.DEVICE):
+            # Room for the blocks and for what this step writes (a decode token, or the rest of a
+            # prompt that was preempted part-way through its prefill), so it can run now.
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            grow = max(0, self.kv.num_blocks_for(req.num_computed_tokens + num_new) - num_blocks)
+            if num_blocks + grow > self.kv.num_free_blocks(Tier.DEVICE):
                 break
             copies = self.kv.swap_in(req.request_id)
             assert not isinstance(copies, NoFreeBlocks)
@@ -249,7 +252,6 @@ class Scheduler:
             out.step.swap_in.extend(copies)
             self.stats.num_swapped_in_blocks += len(copies)
             req.table_replaced = True
-            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             result = self.kv.append_slots(req.request_id, req.num_computed_tokens, num_new)
             assert not isinstance(result, NoFreeBlocks)
             req.status = RequestStatus.RUNNING
