@@ -185,8 +185,8 @@ def _in_daemon_thread(fn, *args) -> asyncio.Future:
     def run() -> None:
         try:
             result = fn(*args)
-        except BaseException:  # noqa: BLE001 - handed to the loop
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop
+            loop.call_soon_threadsafe(lambda e=exc: fut.done() or fut.set_exception(e))
         else:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
