@@ -140,12 +140,13 @@ def qk_norm_rope_ref(
         q, _ = rms_norm_ref(q, q_norm_weight, eps)
         k, _ = rms_norm_ref(k, k_norm_weight, eps)
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (N, 1, D/2) each
+    return rotary_ref(q, cos, sin), rotary_ref(k, cos, sin)
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
-    return rotate(q), rotate(k)
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style (rotate_half) rotation. x (N, H, D); cos/sin (N, 1, D/2) in x's dtype."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N, I)

@@ -16,6 +16,7 @@ import triton.language as tl
 # Streaming multiprocessors assumed when the tensors are not on a GPU (the interpreter):
 # an H200, so that split counts chosen under the interpreter match the ones on the GPU.
 DEFAULT_NUM_SMS = 132
+LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
 
 
 def interpreting() -> bool:

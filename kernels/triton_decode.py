@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (
+    LOG2E,
     cdiv,
     dot_precision,
     fix_bf16_rounding,
@@ -35,7 +36,6 @@ from kernels.triton_common import (
     upcast_dot,
 )
 
-LOG2E = 1.4426950408889634
 
 # Heuristic constants of pick_num_splits (see its docstring).
 PROGRAMS_PER_SM = 2

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (
+    LOG2E,
     dot_precision,
     fix_bf16_rounding,
     interpreting,
@@ -41,7 +42,6 @@ from kernels.triton_common import (
     upcast_dot,
 )
 
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True, slots=True)

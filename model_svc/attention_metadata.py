@@ -19,4 +19,3 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # (B,) int32: context length incl. this step's tokens
     cu_seqlens_q: torch.Tensor  # (B + 1,) int32: prefix sums of new tokens per sequence
     is_decode: bool  # every sequence has exactly one new token (decode kernel path)
-    max_seq_len: int = 0  # max of seq_lens, known on the host (kernels size grids with it)

@@ -24,10 +24,9 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, max_batch: int, max_blocks_per_seq: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_batch, self.max_blocks = max_batch, max_blocks_per_seq
-        self.block_size = block_size
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
@@ -42,7 +41,7 @@ class DecodeGraphs:
     def _meta(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch], block_tables=self.block_tables[:batch], seq_lens=self.seq_lens[:batch],
-            cu_seqlens_q=self.cu_seqlens_q[: batch + 1], is_decode=True, max_seq_len=self.max_blocks * self.block_size,
+            cu_seqlens_q=self.cu_seqlens_q[: batch + 1], is_decode=True,
         )
 
     @torch.inference_mode()

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from model_svc.transfer import to_device
+
 # Blocks gathered per staging buffer: bounds the transient device memory of a large swap.
 SWAP_CHUNK_BLOCKS = 256
 
@@ -33,11 +35,8 @@ def _runs(values: list[int]) -> list[tuple[int, int, int]]:
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    """A block-id list on the device; on CUDA through pinned memory without waiting for it."""
-    t = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
+    """A block-id list on the device (on CUDA without waiting for the device)."""
+    return to_device(values, torch.long, device, device.type == "cuda")
 
 
 class KVCachePools:

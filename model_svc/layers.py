@@ -11,6 +11,7 @@ kernels.triton_linear; otherwise the torch code here runs (it is the reference).
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -20,18 +21,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import KernelOps
+from kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from model_svc.attention_metadata import AttentionMetadata
 from model_svc.config import RopeScaling
 
 
-def fused_kernels(ops: KernelOps | None) -> ModuleType | None:
-    """kernels.triton_fused when the model runs the Triton ops, else None (torch code runs).
+# The torch path of these layers is the kernels' reference math, not a copy of it.
+apply_rotary = rotary_ref
+
+
+def triton_module(ops: KernelOps | None, name: str) -> ModuleType | None:
+    """kernels.<name> when the model runs the Triton ops, else None (the torch code runs).
     Imported lazily so that the torch path needs no Triton."""
     if ops is None or ops.name != "triton":
         return None
-    from kernels import triton_fused
+    return importlib.import_module(f"kernels.{name}")
 
-    return triton_fused
+
+def fused_kernels(ops: KernelOps | None) -> ModuleType | None:
+    """kernels.triton_fused (RMSNorm, q/k norm + rotary, SiLU-and-mul) or None."""
+    return triton_module(ops, "triton_fused")
+
+
+def skinny_kernels(ops: KernelOps | None) -> ModuleType | None:
+    """kernels.triton_linear (projections of a few rows) or None."""
+    return triton_module(ops, "triton_linear")
 
 
 class RMSNorm(nn.Module):
@@ -45,18 +59,14 @@ class RMSNorm(nn.Module):
         self.fused_rms_norm = fused.rms_norm if fused is not None else None
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps)[0]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused residual add (vLLM style): x += residual, then norm. Returns (normed, new
         residual); with residual None the new residual is x itself."""
         if self.fused_rms_norm is not None and x.dim() == 2:
             return self.fused_rms_norm(x, self.weight, self.eps, residual)
-        if residual is not None:
-            x = x + residual
-        return self.norm(x), x
+        return rms_norm_ref(x, self.weight, self.eps, residual)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -77,12 +87,6 @@ def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor
     if scaling.rope_type != "default":
         raise ValueError(f"unsupported rope_type {scaling.rope_type!r}")
     return inv_freq
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style (rotate_half) rotation. x (N, H, D); cos/sin (N, 1, D/2) in x's dtype."""
-    x1, x2 = x.chunk(2, dim=-1)  # (N, H, D/2) each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 @dataclass(slots=True)
@@ -118,10 +122,6 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(positions) if gather else (None, None)
         return RotaryInputs(positions, self.cos_sin_cache, cos, sin)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
 
 class SiluAndMul(nn.Module):
     """(N, 2I) [gate | up] -> (N, I) silu(gate) * up."""
@@ -134,17 +134,7 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_silu_and_mul is not None and x.dim() == 2:
             return self.fused_silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
-def skinny_kernels(ops: KernelOps | None) -> ModuleType | None:
-    """kernels.triton_linear when the model runs the Triton ops, else None."""
-    if ops is None or ops.name != "triton":
-        return None
-    from kernels import triton_linear
-
-    return triton_linear
+        return silu_and_mul_ref(x)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: ModuleType | None) -> torch.Tensor:

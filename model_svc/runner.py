@@ -18,8 +18,9 @@ from kernels import select_ops
 from model_svc.attention_metadata import AttentionMetadata
 from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.loader import load_model, resolve_dtype
-from model_svc.sampler import Sampler, SamplingBatch
+from model_svc.sampler import Sampler, SamplingBatch, make_generator
 from model_svc.step import PLACEHOLDER, SampledToken, SeqStep, StepInput, StepOutput
+from model_svc.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager:
             from model_svc.cuda_graphs import DecodeGraphs
 
-            max_len = min(self.config.max_position_embeddings, num_device_blocks * block_size)
-            self.graphs = DecodeGraphs(self.model, self.pools.layer_caches, min(max_num_seqs, 512), -(-max_len // block_size), block_size, self.device)
+            width = self.block_tables.table.shape[1]  # blocks of the longest possible sequence
+            self.graphs = DecodeGraphs(self.model, self.pools.layer_caches, min(max_num_seqs, 512), width, self.device)
         self.seqs: dict[str, _SeqState] = {}
         logger.info("model runner: %s on %s (%s), kernels=%s, %d device blocks, %d host blocks",
                     type(model).__name__, self.device, self.dtype, self.ops.name, num_device_blocks, num_host_blocks)
@@ -129,7 +130,7 @@ class ModelRunner:
             block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            is_decode=False, max_seq_len=n,
+            is_decode=False,
         )
         with torch.inference_mode():
             hidden = self.model(ids, torch.arange(n, device=self.device), [(None, None)] * self.config.num_hidden_layers, meta)
@@ -215,10 +216,7 @@ class ModelRunner:
         ids_dev[index[: len(rows)]] = self._last_sampled[index[len(rows) :]]
 
     def _h2d(self, array: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(np.ascontiguousarray(array))
-        if self.pinned_inputs:
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        return to_device(array, None, self.device, self.pinned_inputs)
 
     def _remember_sampled(self, seqs: list[SeqStep], token_ids: torch.Tensor) -> None:
         self._last_sampled = token_ids
@@ -235,8 +233,7 @@ class ModelRunner:
         The scheduler has reserved the blocks of every sub-step."""
         if not meta.is_decode or not all(s.sample for s in inp.seqs):
             raise ValueError("multi-step runs only decode-only batches that sample every sequence")
-        states = [self.seqs[s.seq_id] for s in inp.seqs]
-        batch = SamplingBatch.build([st.sampling for st in states], None, None, [st.generator for st in states], self.device, self.pinned_inputs)
+        batch = self._sampling_batch([self.seqs[s.seq_id] for s in inp.seqs])  # no penalties here (single-step rows)
         bs = self.block_size
         sampled = []
         for k in range(inp.num_steps):
@@ -248,7 +245,7 @@ class ModelRunner:
                 block = meta.block_tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1).long()
                 meta = AttentionMetadata(
                     slot_mapping=block * bs + positions % bs, block_tables=meta.block_tables, seq_lens=meta.seq_lens + 1,
-                    cu_seqlens_q=meta.cu_seqlens_q, is_decode=True, max_seq_len=meta.max_seq_len + 1,
+                    cu_seqlens_q=meta.cu_seqlens_q, is_decode=True,
                 )
         self._remember_sampled(inp.seqs, input_ids)
         return LaunchedStep(self, inp.seqs, torch.stack(sampled, dim=1))  # (B, num_steps)
@@ -259,10 +256,8 @@ class ModelRunner:
             if s.sampling is None:
                 raise KeyError(f"unknown sequence {s.seq_id!r}: its first step must carry sampling params")
             if state is None:
-                gen = None
-                if getattr(s.sampling, "seed", None) is not None:
-                    gen = torch.Generator(device=self.device)
-                    gen.manual_seed(s.sampling.seed)
+                seed = getattr(s.sampling, "seed", None)
+                gen = make_generator(seed, self.device) if seed is not None else None
                 prompt = list(s.prompt_token_ids or [])
                 state = _SeqState(s.sampling, len(prompt), token_ids=prompt, generator=gen, row=self.block_tables.acquire())
                 self.seqs[s.seq_id] = state
@@ -319,7 +314,6 @@ class ModelRunner:
             seq_lens=packed_dev[3 * t : 3 * t + num_seqs].to(torch.int32),
             cu_seqlens_q=packed_dev[3 * t + num_seqs :].to(torch.int32),
             is_decode=num_tokens == num_seqs,
-            max_seq_len=int(seq_lens.max()),
         )
         ids_dev, pos_dev = packed_dev[:t], packed_dev[t : 2 * t]
         return ids_dev, pos_dev, meta, sample_rows

@@ -13,7 +13,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
+
+from model_svc.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -25,21 +28,12 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return torch.Generator(device=torch.device(device)).manual_seed(seed)
 
 
-def _to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device | str, pinned: bool) -> torch.Tensor:
-    """A small host list on the device. pinned: through pinned memory with a non-blocking copy,
-    so building a step's batch never waits for the device's work in flight."""
-    t = torch.tensor(values, dtype=dtype)
-    if pinned:
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def _pad(rows: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
+def _pad(rows: Sequence[Sequence[int]], device: torch.device | str, pinned: bool) -> torch.Tensor:
     """(B, L) int64, padded with -1."""
-    width = max((len(r) for r in rows), default=0)
-    return torch.tensor([list(r) + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=device).view(
-        len(rows), width
-    )
+    padded = np.full((len(rows), max((len(r) for r in rows), default=0)), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    return to_device(padded, None, device, pinned)
 
 
 @dataclass(slots=True)
@@ -79,7 +73,7 @@ class SamplingBatch:
             """(B,) fp32 of one knob, or None when every row in `rows` leaves it off."""
             if all(getattr(p, name) == off for p in rows):
                 return None
-            return _to_device([float(getattr(p, name)) for p in params_list], torch.float32, device, pinned)
+            return to_device([float(getattr(p, name)) for p in params_list], torch.float32, device, pinned)
 
         rep = column("repetition_penalty", 1.0, params_list)
         pres = column("presence_penalty", 0.0, params_list)
@@ -88,18 +82,18 @@ class SamplingBatch:
         if rep is not None or pres is not None or freq is not None:
             if output_token_ids_list is None or (rep is not None and prompt_token_ids_list is None):
                 raise ValueError("penalties need the prompt and output token ids of every row")
-            output_tokens = _pad(output_token_ids_list, device)
+            output_tokens = _pad(output_token_ids_list, device, pinned)
             if rep is not None:
-                prompt_tokens = _pad(prompt_token_ids_list, device)  # type: ignore[arg-type]
+                prompt_tokens = _pad(prompt_token_ids_list, device, pinned)  # type: ignore[arg-type]
         top_k = None
         if any(p.top_k > 0 for p in random_params):
-            top_k = _to_device([p.top_k for p in params_list], torch.int64, device, pinned)
+            top_k = to_device([p.top_k for p in params_list], torch.int64, device, pinned)
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params_list, greedy_rows)]
         num_logprobs = [p.logprobs for p in params_list]
         asked = [n for n in num_logprobs if n is not None]
         return cls(
-            temperature=_to_device(temps, torch.float32, device, pinned),
-            greedy=_to_device(greedy_rows, torch.bool, device, pinned),
+            temperature=to_device(temps, torch.float32, device, pinned),
+            greedy=to_device(greedy_rows, torch.bool, device, pinned),
             all_greedy=all(greedy_rows),
             top_k=top_k,
             top_p=column("top_p", 1.0),

@@ -84,9 +84,6 @@ class ModelService:
                          tuple(mc.eos_token_ids), mc.bos_token_id, r.block_size, r.num_device_blocks, r.num_host_blocks,
                          str(r.device), str(r.dtype))
 
-    def step(self, expected_epoch: str, inp: StepInput) -> StepOutput:
-        return self.launch(expected_epoch, inp).result()
-
     def launch(self, expected_epoch: str, inp: StepInput) -> Any:
         """Queue the step on the device (ModelRunner.launch); `.result()` reads it back."""
         runner = self._ready()

@@ -38,6 +38,10 @@ class StepInput:
     # sampled (multi-step scheduling; only for decode-only batches whose blocks are reserved).
     num_steps: int = 1
 
+    def is_empty(self) -> bool:
+        """Nothing for the model side to do: no sequences, block moves or sequences to forget."""
+        return not (self.seqs or self.swap_out or self.swap_in or self.copies or self.finished)
+
 
 @dataclass(slots=True)
 class SampledToken:

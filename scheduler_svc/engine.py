@@ -147,7 +147,7 @@ class LLMEngine:
             return self._step_overlapped()
         sched = self.scheduler.schedule()
         inp = sched.step
-        if not (inp.seqs or inp.swap_out or inp.swap_in or inp.copies or inp.finished):
+        if inp.is_empty():
             if self.scheduler.has_unfinished() and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
             return []
@@ -168,7 +168,7 @@ class LLMEngine:
         if self._inflight is not None and any(s.request.sampling.has_penalties for s in sched.scheduled):
             outputs += self._drain()  # penalties read the token history: no overlap this step
         launched = None
-        if inp.seqs or inp.swap_out or inp.swap_in or inp.copies or inp.finished:
+        if not inp.is_empty():
             launched = self.model.launch(inp)
         was_inflight = self._inflight is not None
         outputs += self._drain()

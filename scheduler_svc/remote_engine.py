@@ -93,7 +93,7 @@ class ServiceEngine(LLMEngine):
             _drop_finished(sched)
             timeout = self._timeout(sched)
             inp = sched.step
-            if not (inp.seqs or inp.swap_out or inp.swap_in or inp.copies or inp.finished):
+            if inp.is_empty():
                 self.kv.commit(timeout)
                 self._pending, self.unavailable = None, None
                 if self.scheduler.has_unfinished() and not self.scheduler.running:
@@ -135,7 +135,7 @@ class ServiceEngine(LLMEngine):
             if self._inflight is not None and any(s.request.sampling.has_penalties for s in sched.scheduled):
                 outputs += self._drain()  # penalties read the token history: no overlap this step
             launched = None
-            if inp.seqs or inp.swap_out or inp.swap_in or inp.copies or inp.finished:
+            if not inp.is_empty():
                 timeout = self._timeout(sched)
                 self._await_kv()  # one KV batch in flight at a time
                 wait_kv = self.kv.start_commit(timeout)

@@ -61,7 +61,6 @@ class PagedSim:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             is_decode=all(len(t) == 1 for _, t in new_tokens),
-            max_seq_len=max(seq_lens),
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         return ids, torch.tensor(positions, dtype=torch.int64, device=dev), attn
