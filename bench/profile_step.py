@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=35)
     args = ap.parse_args()
     prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)
-    llm, _ = run_embedded(args, prompts, params)
+    llm, _ = run_embedded(args)
     llm.generate(prompts[:4], params[:4])
     prof = cProfile.Profile()
     t = time.perf_counter()

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import build_runner, copy_bandwidth, device_sync, environment, matmul_flops, write_result  # noqa: E402
+from bench.common import copy_bandwidth, device_sync, environment, make_llm, matmul_flops, write_result  # noqa: E402
 
 
 def make_workload(num_seqs: int, max_input_len: int, max_output_len: int, seed: int = 0):
@@ -53,22 +53,11 @@ def roofline_tok_s(config, prompt_lens: list[int], output_lens: list[int], bandw
     return sum(output_lens) / seconds
 
 
-def run_embedded(args, prompts, params):
-    from scheduler_svc.config import EngineConfig
-    from scheduler_svc.engine import LLMEngine
-    from scheduler_svc.llm import LLM
-
-    path, runner = build_runner(
-        args.model, args.device, args.dtype, block_size=args.block_size, num_device_blocks=args.num_gpu_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
-    )
-    config = EngineConfig(
-        model=path, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
-        num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.overlap,
-    )
-    llm = LLM.from_engine(LLMEngine(config, model=runner))
-    return llm, runner
+def run_embedded(args):
+    """The engine in this process, as `LLM` builds it, from the bench's flags. Returns (llm, runner)."""
+    return make_llm(args.model, args.device, args.dtype, num_gpu_blocks=args.num_gpu_blocks, enforce_eager=args.enforce_eager,
+                    block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.overlap)
 
 
 def run_service(args, runner_config_path: str, model=None):
@@ -96,7 +85,7 @@ def run_service(args, runner_config_path: str, model=None):
     return LLM.from_engine(build_service_engine(config, skip_tokenizer_init=True)), services
 
 
-def hf_row(args, runner, prompts, params, tok_s: float) -> str:
+def hf_row(runner, prompts, params, tok_s: float) -> str:
     """transformers' continuous batching on the same weights and workload, as a table row."""
     from bench.hf_peer import run_hf_continuous_batching
     from model_svc.loader import save_model
@@ -161,7 +150,7 @@ def main() -> None:
 
         parity = check_parity(args.model, args.device, args.dtype, near_tie=1e-2)
         print("\n".join(parity))
-    llm, runner = run_embedded(args, prompts, params)
+    llm, runner = run_embedded(args)
     bw, fl = copy_bandwidth(dev), matmul_flops(dev)  # before any other process shares the device
     stats = llm.engine.scheduler.stats
     steps_before, preemptions_before = stats.num_steps, stats.num_preemptions
@@ -174,7 +163,7 @@ def main() -> None:
     num_device_blocks, runner_config, graphs = runner.num_device_blocks, runner.config, runner.graphs is not None
     extra_rows = []
     if args.peer == "hf":
-        extra_rows.append(hf_row(args, runner, prompts, params, tok_s))
+        extra_rows.append(hf_row(runner, prompts, params, tok_s))
     if args.mode == "service":  # embedded first (the reference), then the services, same run
         sync_tok_s = tok_s
         if overlapped:  # the services step synchronously: time embedded that way too, like for like

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvcache_svc import KVCacheManager
@@ -42,6 +42,7 @@ class _Stream:
     detok: DetokenizerState
     emitted_text: int = 0  # characters of detok.text already handed out
     emitted_tokens: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, built once
 
 
 class LLMEngine:
@@ -245,7 +246,9 @@ class LLMEngine:
         delta_ids, stream.emitted_tokens = out_ids[stream.emitted_tokens :], len(out_ids)
         logprobs = None
         if req.sampling.logprobs is not None:
-            logprobs = [dict([*top, (tok, lp)]) for tok, (lp, top) in zip(out_ids, req.logprobs)]
+            done = len(stream.logprobs)
+            stream.logprobs += [dict([*top, (tok, lp)]) for tok, (lp, top) in zip(out_ids[done:], req.logprobs[done:])]
+            logprobs = list(stream.logprobs)
         out = RequestOutput(
             req.request_id, stream.prompt, req.prompt_token_ids, out_ids, text[:visible], req.finish_reason, req.finished,
             delta_ids, delta_text, req.stop_reason, req.num_cached_tokens, logprobs,

@@ -201,9 +201,7 @@ class ServiceEngine(LLMEngine):
         if self.unavailable is None:
             logger.warning("step waits for a peer: %s", exc)
         self.unavailable = str(exc)
-        forget = list(self.scheduler.pending_finished)
         self.scheduler.recompute_all()
-        self.scheduler.pending_finished = forget
         self.num_recoveries += 1
 
     def _run_model(self, inp: StepInput, timeout: float | None) -> StepOutput:
@@ -242,6 +240,7 @@ class ServiceEngine(LLMEngine):
         self.model.connect(self.model.retry_window_s)  # ModelUnavailable: try again next step
         self.kv.reset(pool_config(self.model, self.config.enable_prefix_caching))
         self.scheduler.recompute_all()
+        self.scheduler.pending_finished.clear()  # the new model process knows no sequence
         self._restarted = False
         self.num_recoveries += 1
         self.kv.commit()
@@ -251,9 +250,7 @@ class ServiceEngine(LLMEngine):
         believes it has. The model side is intact, so finished sequences are still forgotten."""
         logger.warning("KV-cache resync (%s): recomputing", why)
         self._pending, self._result = None, None
-        forget = list(self.scheduler.pending_finished)
         self.scheduler.recompute_all()
-        self.scheduler.pending_finished = forget
         for seq_id in list(self.kv.seqs):
             self.kv.free(seq_id)
         self.num_recoveries += 1

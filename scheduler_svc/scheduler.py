@@ -280,9 +280,11 @@ class Scheduler:
             budget -= result.num_new_tokens
 
     def recompute_all(self) -> list[Request]:
-        """The model side lost its KV tensors and per-sequence state (a restart): drop every
-        unfinished request's blocks and feed it again from the start (prompt + generated
-        tokens), oldest first. Returns the requests affected."""
+        """Drop every unfinished request's blocks and feed it again from the start (prompt +
+        generated tokens), oldest first: the model side lost its KV tensors (a restart) or the
+        blocks cannot be trusted (a KV resync). Sequences already finished stay in
+        pending_finished; a caller whose model side restarted clears them. Returns the
+        requests affected."""
         affected = sorted(self.running + list(self.swapped), key=lambda r: r.arrival_time)
         for req in affected:
             if req.request_id in self.kv.seqs:
@@ -294,7 +296,6 @@ class Scheduler:
             req.sent_sampling = False
         self.running, self.swapped = [], deque()
         self.waiting.extendleft(reversed(affected))
-        self.pending_finished = []
         return affected
 
     # ----------------------------------------------------------------- results
