@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from kvcache_svc.block_pool import BlockPool, Tier
 
@@ -172,9 +173,10 @@ class KVCacheManager:
         seq.block_ids.extend(result.new_block_ids)
         return result
 
-    def cache_blocks(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+    def cache_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int, token_offset: int = 0) -> None:
         """Register the chain hashes of blocks that are now full and computed, so later
-        requests can hit them (also after this sequence frees them)."""
+        requests can hit them (also after this sequence frees them). token_ids may start at
+        position token_offset (a tail holding at least the blocks not hashed yet)."""
         if not self.enable_prefix_caching:
             return
         seq = self.seqs[seq_id]
@@ -182,7 +184,7 @@ class KVCacheManager:
             return
         bs = self.block_size
         for i in range(seq.num_hashed_blocks, min(num_computed_tokens // bs, len(seq.block_ids))):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            tokens = tuple(token_ids[i * bs - token_offset : (i + 1) * bs - token_offset])
             seq.last_hash = hash_block(seq.last_hash, tokens, seq.extra_key)
             self.device.set_hash(seq.block_ids[i], seq.last_hash, tokens)
             seq.num_hashed_blocks = i + 1

@@ -96,7 +96,7 @@ def apply_op(manager: KVCacheManager, op: Op) -> OpResult:
         return manager.append_slots(op.seq_id, op.num_computed_tokens, op.num_new_tokens)
     if isinstance(op, CacheBlocksOp):
         # Only the tail is sent; the manager reads blocks from num_hashed_blocks on.
-        manager.cache_blocks(op.seq_id, [0] * op.token_offset + list(op.token_ids), op.num_computed_tokens)
+        manager.cache_blocks(op.seq_id, op.token_ids, op.num_computed_tokens, op.token_offset)
         return None
     if isinstance(op, AllocateOp):
         return manager.allocate(op.seq_id, list(op.token_ids), op.num_new_tokens, op.extra_key)
