@@ -111,12 +111,13 @@ class KVCacheService:
 
     def _persist(self, step: int, results: list[OpResult], full_write: bool, dirty_seqs: set[str]) -> pb.ApplyStepResponse:
         response = convert.step_response(step, results)
-        blob = response.SerializeToString()
         try:
-            if full_write:
-                self.store.write_full(export_state(self.manager, self.config, step), blob)
+            if not self.store.persistent:  # nothing is written: no serialising or exporting
+                pass
+            elif full_write:
+                self.store.write_full(export_state(self.manager, self.config, step), response.SerializeToString())
             else:
-                self.store.write_step(self.manager, step, dirty_seqs, blob)
+                self.store.write_step(self.manager, step, dirty_seqs, response.SerializeToString())
         except Exception as exc:  # redis down or slow: do not answer what is not durable
             self._stale = True
             raise Unavailable(f"metadata store write failed: {exc}") from None

@@ -38,6 +38,7 @@ class MemoryStore:
     """Keeps nothing beyond the manager itself: a restart starts empty."""
 
     kind = "memory"
+    persistent = False  # write_full/write_step are no-ops
 
     def load(self) -> tuple[KVState, bytes | None] | None:
         return None
@@ -54,6 +55,7 @@ class MemoryStore:
 
 class RedisStore:
     kind = "redis"
+    persistent = True
 
     def __init__(self, url: str, deployment: str = "default", client: Any = None) -> None:
         if client is None:
