@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvcache_svc import KVCacheManager
 from model_svc.step import StepInput, StepOutput
@@ -170,17 +170,26 @@ class LLMEngine:
             outputs += self._drain()  # penalties read the token history: no overlap this step
         launched = None
         if not inp.is_empty():
-            launched = self.model.launch(inp)
+            launched = self._launch(sched)
         was_inflight = self._inflight is not None
         outputs += self._drain()
         if launched is not None:
             self._inflight = (sched, launched)
             self.scheduler.update(sched)
-        elif not was_inflight and self.scheduler.has_unfinished() and not self.scheduler.running:
-            raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
+        else:
+            self._idle_step()
+            if not was_inflight and self.scheduler.has_unfinished() and not self.scheduler.running:
+                raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
         if self.scheduler.has_unfinished():
             self._next = self.scheduler.schedule()
         return outputs
+
+    def _launch(self, sched: SchedulerOutput) -> Any:
+        """Queue the step; the returned object's result() reads it back."""
+        return self.model.launch(sched.step)
+
+    def _idle_step(self) -> None:
+        """A turn of the pipeline that launched nothing (service mode flushes its KV ops)."""
 
     def _drain(self) -> list[RequestOutput]:
         if self._inflight is None:

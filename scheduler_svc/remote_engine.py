@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvcache_svc.client import KVClient, KVOutOfSync, KVUnavailable
@@ -51,13 +50,38 @@ def pool_config(model: RemoteModel, enable_prefix_caching: bool) -> PoolConfig:
     return PoolConfig(info.num_device_blocks, info.num_host_blocks, info.block_size, enable_prefix_caching, info.epoch)
 
 
-@dataclass
-class _InFlight:
-    """A pipelined step: scheduled, its KV batch and model Step sent, not yet read back."""
+class _RemoteStep:
+    """A pipelined step in flight: its KV batch and model Step sent. result() waits for both
+    (the KV answer first); once it returns or raises, nothing of the step is pending."""
 
-    sched: SchedulerOutput
-    model: Future  # -> StepOutput
-    wait_kv: Callable[[], None] | None  # None once awaited
+    def __init__(self, engine: "ServiceEngine", wait_kv: Callable[[], None], model: Future) -> None:
+        self.engine, self.wait_kv, self.model = engine, wait_kv, model
+
+    def await_kv(self) -> None:
+        if self.wait_kv is not None:
+            wait, self.wait_kv = self.wait_kv, None
+            try:
+                wait()
+            except BaseException:
+                self.settle()
+                raise
+
+    def result(self) -> StepOutput:
+        self.await_kv()
+        out = self.model.result()
+        self.engine.num_steps += 1
+        self.engine.unavailable = None  # a step went through: the peers are back
+        return out
+
+    def settle(self) -> None:
+        """Wait for what is still pending, whatever its outcome."""
+        for wait in (self.model.result, self.wait_kv):
+            if wait is not None:
+                try:
+                    wait()
+                except Exception:  # noqa: BLE001 - the failure being handled, or one like it
+                    pass
+        self.wait_kv = None
 
 
 class ServiceEngine(LLMEngine):
@@ -73,13 +97,10 @@ class ServiceEngine(LLMEngine):
         self.num_steps = 0
         self.num_recoveries = 0
         self.pipelined = config.async_scheduling is True and config.num_scheduler_steps == 1
-        self._inflight: _InFlight | None = None
-        self._next: SchedulerOutput | None = None
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-step") if self.pipelined else None
 
     def has_unfinished(self) -> bool:
-        return (super().has_unfinished() or self.kv.has_pending() or self._pending is not None or self._restarted
-                or self._inflight is not None or self._next is not None)
+        return super().has_unfinished() or self.kv.has_pending() or self._pending is not None or self._restarted
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
@@ -124,34 +145,14 @@ class ServiceEngine(LLMEngine):
         return outputs
 
     def _step_pipelined(self) -> list[RequestOutput]:
+        """The embedded engine's overlapped step (LLMEngine._step_overlapped) over the remote
+        peers: _launch sends the step, _idle_step flushes the KV ops."""
         try:
             if self._restarted:
                 self._recompute_after_restart()
-            sched = self._next if self._next is not None else self.scheduler.schedule()
-            self._next = None
-            _drop_finished(sched)  # aborted since it was scheduled
-            inp = sched.step
-            outputs: list[RequestOutput] = []
-            if self._inflight is not None and any(s.request.sampling.has_penalties for s in sched.scheduled):
-                outputs += self._drain()  # penalties read the token history: no overlap this step
-            launched = None
-            if not inp.is_empty():
-                timeout = self._timeout(sched)
-                self._await_kv()  # one KV batch in flight at a time
-                wait_kv = self.kv.start_commit(timeout)
-                launched = _InFlight(sched, self._sender.submit(self.model.step, inp, timeout), wait_kv)
-            was_inflight = self._inflight is not None
-            outputs += self._drain()
-            if launched is not None:
-                self._inflight = launched
-                self.scheduler.update(sched)
-            else:
-                self.kv.commit()
-                if not was_inflight and self.scheduler.has_unfinished() and not self.scheduler.running:
-                    raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
-            if self.scheduler.has_unfinished():
-                self._next = self.scheduler.schedule()
-            return outputs
+            if self._next is not None:
+                _drop_finished(self._next)  # aborted since it was scheduled
+            return self._step_overlapped()
         except (ModelRestarted, ModelUnavailable, KVUnavailable, KVOutOfSync) as exc:
             self._abandon_pipeline(exc)
             return []
@@ -159,34 +160,21 @@ class ServiceEngine(LLMEngine):
             self._settle()
             raise
 
-    def _await_kv(self) -> None:
-        if self._inflight is not None and self._inflight.wait_kv is not None:
-            wait, self._inflight.wait_kv = self._inflight.wait_kv, None
-            wait()
+    def _launch(self, sched: SchedulerOutput) -> _RemoteStep:
+        timeout = self._timeout(sched)
+        if self._inflight is not None:
+            self._inflight[1].await_kv()  # one KV batch in flight at a time
+        wait_kv = self.kv.start_commit(timeout)
+        return _RemoteStep(self, wait_kv, self._sender.submit(self.model.step, sched.step, timeout))
 
-    def _drain(self) -> list[RequestOutput]:
-        """Read back the step in flight: its KV batch confirmed, then the model's tokens."""
-        if self._inflight is None:
-            return []
-        self._await_kv()
-        result = self._inflight.model.result()
-        sched, self._inflight = self._inflight.sched, None
-        self.num_steps += 1
-        self.unavailable = None  # a step went through: the peers are back
-        return self._process(sched, result)
+    def _idle_step(self) -> None:
+        self.kv.commit()
 
     def _settle(self) -> None:
         """Wait for whatever is in flight (its outcome no longer matters) and forget it."""
         inflight, self._inflight, self._next = self._inflight, None, None
-        if inflight is None:
-            return
-        for wait in (inflight.model.result, inflight.wait_kv):
-            if wait is None:
-                continue
-            try:
-                wait()
-            except Exception:  # noqa: BLE001 - the failure being handled, or one like it
-                pass
+        if inflight is not None:
+            inflight[1].settle()
 
     def _abandon_pipeline(self, exc: Exception) -> None:
         """A peer failed with steps in flight: drop them and recompute every unfinished request
