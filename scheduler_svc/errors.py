@@ -114,9 +114,7 @@ def error_from_rpc(err: grpc.RpcError) -> PicoError | None:
     """The domain error a client-side status stands for (None: not one of ours)."""
     code = err.code() if hasattr(err, "code") else None
     detail = err.details() if hasattr(err, "details") else str(err)
-    for cls, c in ((InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT), (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-                   (NotFound, grpc.StatusCode.NOT_FOUND), (Unavailable, grpc.StatusCode.UNAVAILABLE),
-                   (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION)):
+    for cls, c in _CODES:
         if code == c:
-            return cls(detail)
+            return (InvalidArgument if cls is ValueError else cls)(detail)
     return None
