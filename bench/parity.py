@@ -27,13 +27,9 @@ def greedy_with_gaps(runner, prompts: list[list[int]], max_tokens: int) -> list[
     gaps_hook = {}
     orig = runner.model.compute_logits
 
-    model = runner.model
-    lm_head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-
     def hooked(hidden):
-        logits = orig(hidden)
-        # The gap in fp32 (bf16 logits are quantized to steps of ~1.6e-2 at these magnitudes).
-        top2 = torch.topk(hidden.float() @ lm_head.float().T, 2, dim=-1).values
+        logits = orig(hidden)  # fp32 (see LlamaForCausalLM.compute_logits)
+        top2 = torch.topk(logits.float(), 2, dim=-1).values
         gaps_hook["gap"] = (top2[:, 0] - top2[:, 1]).tolist()
         return logits
 

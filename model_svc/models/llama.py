@@ -182,8 +182,26 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # (N, hidden)
         return self.model(input_ids, positions, kv_caches, attn)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (M, hidden) -> (M, vocab), model dtype
-        """The sampler widens to fp32 where it needs to (an fp32 copy of (M, vocab) is 156 MB a
-        step at M = 256 for Qwen3's vocabulary; the fused sampler reads bf16 directly)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (M, hidden) -> (M, vocab) fp32
+        """Logits in fp32 from the 16-bit product's fp32 accumulator, never rounded to bf16.
+
+        Rounded to bf16, logits near Qwen3's top values (2-4) would move in steps of 1.6e-2, so
+        two tokens a hair apart could tie, or swap places between two paths whose hidden
+        states differ in the last bit. On CUDA the product writes fp32 directly (cuBLAS
+        `out_dtype`); reading (M, vocab) fp32 costs the sampler about 40 us a step at M = 256.
+        """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.skinny)
+        return logits_fp32(hidden, weight, self.skinny)
+
+
+def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor, skinny) -> torch.Tensor:
+    """hidden (M, H) @ weight (V, H)^T in fp32 without an intermediate 16-bit rounding."""
+    if hidden.dtype == torch.float32:
+        return linear(hidden, weight, None, skinny)
+    if hidden.is_cuda and _MM_OUT_DTYPE:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return hidden.float() @ weight.float().t()  # CPU 16-bit (tests), or a torch without out_dtype
+
+
+# torch.mm(..., out_dtype=fp32) for 16-bit CUDA inputs (torch >= 2.8)
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
