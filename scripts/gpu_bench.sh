@@ -7,6 +7,7 @@
 #      prefix caching
 #   c: kernel tables (decode, prefill, baselines), skinny linear vs cuBLAS, prefix caching with
 #      synchronous scheduling, swap vs recompute, service mode with the pipelined scheduler
+#   p: a quick look: GPU tests, parity, batch-1 profile and latency, throughput embedded and pipelined service
 #   d: transformers' continuous batching on the headline workload (BENCHMARKS.md: ~618 tok/s)
 set -uo pipefail
 out="${1:-bench/results}"
@@ -37,6 +38,15 @@ if has c; then
   run prefix-sync 80 python bench/prefix.py --no-overlap --out "$out/prefix_h200_sync.md"
   run swap 120 python bench/swap.py --out "$out/swap_h200.md"
   run throughput-service-pipelined 200 python bench/throughput.py --mode service --service-pipelined --out "$out/throughput_h200_service_pipelined.md"
+fi
+if has p; then  # a first look after changes: tests, parity, where batch-1 time goes, one throughput run
+  run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
+  run parity 120 python bench/parity.py
+  TAIL=40 run latency-profile 90 python bench/latency.py --profile
+  run latency 90 python bench/latency.py
+  TAIL=40 run profile-b1 90 python bench/profile_gpu.py --batch 1 --context 512 --temperature 0 --rows 30 --skip-eager
+  run throughput 150 python bench/throughput.py --repeats 2
+  run throughput-service-pipelined 200 python bench/throughput.py --mode service --service-pipelined
 fi
 if has d; then
   run throughput-hf-peer 500 python bench/throughput.py --peer hf --out "$out/throughput_h200_hf_peer.md"
