@@ -143,6 +143,25 @@ def qk_norm_rope_ref(
     return rotary_ref(q, cos, sin), rotary_ref(k, cos, sin)
 
 
+def qk_norm_rope_store_ref(
+    q: torch.Tensor,  # (N, Hq, D)
+    k: torch.Tensor,  # (N, Hkv, D)
+    v: torch.Tensor,  # (N, Hkv, D)
+    positions: torch.Tensor,  # (N,)
+    cos_sin_cache: torch.Tensor,  # (P, D): [cos | sin] per position
+    q_norm_weight: torch.Tensor | None,  # (D,)
+    k_norm_weight: torch.Tensor | None,  # (D,)
+    eps: float,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    slot_mapping: torch.Tensor,  # (N,) int64; slot = block_id * block_size + offset; -1 = skip
+) -> torch.Tensor:  # rotated q (N, Hq, D)
+    """qk_norm_rope_ref, then store_kvcache_ref of the rotated k and of v (caches in place)."""
+    q, k = qk_norm_rope_ref(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Neox-style (rotate_half) rotation. x (N, H, D); cos/sin (N, 1, D/2) in x's dtype."""
     x1, x2 = x.chunk(2, dim=-1)

@@ -1,13 +1,18 @@
 """Fused Triton kernels for the elementwise work around the projections of a decoder layer.
 
-    rms_norm       (residual add +) RMSNorm of a row           ref: kernels.reference.rms_norm_ref
-    qk_norm_rope   per-head q/k RMSNorm (Qwen3) + neox rotary  ref: kernels.reference.qk_norm_rope_ref
-    silu_and_mul   silu(gate) * up of a [gate | up] row        ref: kernels.reference.silu_and_mul_ref
+    rms_norm            (residual add +) RMSNorm of a row          ref: kernels.reference.rms_norm_ref
+    qk_norm_rope        per-head q/k RMSNorm (Qwen3) + neox rotary ref: kernels.reference.qk_norm_rope_ref
+    qk_norm_rope_store  qk_norm_rope, k and v into the paged cache ref: kernels.reference.qk_norm_rope_store_ref
+    silu_and_mul        silu(gate) * up of a [gate | up] row       ref: kernels.reference.silu_and_mul_ref
 
 In torch each of these is a chain of 5-15 tiny kernels (casts, pow, mean, rsqrt, mul, cat, ...);
-here each is one launch. Math is fp32, and every place where the torch path rounds to the
-activation dtype (a bf16 op's result) is rounded here too, so bf16 outputs match the torch path
-up to the order of the fp32 sum of squares.
+here each is one launch. With a cache a decoder layer runs qk_norm_rope_store, which also does
+the work of kernels.triton_store (otherwise a launch of its own for a few hundred bytes at
+decode); qk_norm_rope serves the forward without a cache (profiling).
+
+Math is fp32, and every place where the torch path rounds to the activation dtype (a bf16 op's
+result) is rounded here too, so bf16 outputs match the torch path up to the order of the fp32
+sum of squares.
 
 No host syncs and no data-dependent allocation: all of them are CUDA-graph safe.
 """
@@ -87,13 +92,24 @@ def _rounded(x, dt: tl.constexpr, FIX_BF16: tl.constexpr):
 
 
 @triton.jit
+def _store_as(ptr, x, dt: tl.constexpr, mask, FIX_BF16: tl.constexpr, FIX_DST: tl.constexpr):
+    """Store fp32 x as the result of a torch op in dt, converted to ptr's dtype (torch's .to()).
+    FIX_DST: ptr is bf16, dt is not, and the conversion must round by hand (interpreter)."""
+    out = round_to(x, dt, FIX_BF16)
+    if FIX_DST:
+        out = round_to(out.to(tl.float32), ptr.dtype.element_ty, True)
+    tl.store(ptr, out, mask=mask)
+
+
+@triton.jit
 def _norm_rope_head(
     src, dst, w_ptr, cos, sin, offs, mask, eps,
-    HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr, FIX_DST: tl.constexpr,
 ):  # fmt: skip
     """One head: load its two halves (src has unit stride along D), optionally RMSNorm them over
-    the whole head, rotate, and store to dst. cos/sin are fp32 (BLOCK_HALF,)."""
-    dt = dst.dtype.element_ty
+    the whole head, rotate, and store to dst (unit stride along D). cos/sin are fp32
+    (BLOCK_HALF,). The math rounds in src's dtype; dst may be of another dtype (a cache's)."""
+    dt = src.dtype.element_ty
     x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
@@ -106,8 +122,18 @@ def _norm_rope_head(
     # torch: cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin), every op rounded
     o1 = _rounded(x1 * cos, dt, FIX_BF16) - _rounded(x2 * sin, dt, FIX_BF16)
     o2 = _rounded(x2 * cos, dt, FIX_BF16) + _rounded(x1 * sin, dt, FIX_BF16)
-    tl.store(dst + offs, round_to(o1, dt, FIX_BF16), mask=mask)
-    tl.store(dst + HALF + offs, round_to(o2, dt, FIX_BF16), mask=mask)
+    _store_as(dst + offs, o1, dt, mask, FIX_BF16, FIX_DST)
+    _store_as(dst + HALF + offs, o2, dt, mask, FIX_BF16, FIX_DST)
+
+
+@triton.jit
+def _load_cos_sin(cos_sin_ptr, pos_ptr, tok, stride_cs, offs, mask, HALF: tl.constexpr):
+    """fp32 cos, sin (BLOCK_HALF,) of token tok's position. The cache is in the model dtype, as
+    the torch path multiplies with it."""
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    return cos, sin
 
 
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr"])  # positions may be a slice at any offset
@@ -121,19 +147,27 @@ def _qk_norm_rope_kernel(
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < HALF
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    # the cache is in the model dtype, as the torch path multiplies with it
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    cos, sin = _load_cos_sin(cos_sin_ptr, pos_ptr, tok, stride_cs, offs, mask, HALF)
     if head < num_q_heads:
         src = q_ptr + tok * stride_qn + head * stride_qh
         dst = q_out_ptr + (tok * num_q_heads + head) * (2 * HALF)
-        _norm_rope_head(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16)
+        _norm_rope_head(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
     else:
         kv_head = head - num_q_heads
         src = k_ptr + tok * stride_kn + kv_head * stride_kh
         dst = k_out_ptr + (tok * num_kv_heads + kv_head) * (2 * HALF)
-        _norm_rope_head(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16)
+        _norm_rope_head(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
+
+
+def _check_qk(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, q_norm_weight, k_norm_weight) -> bool:
+    """Shape checks shared by both entry points; returns whether the heads are normed."""
+    n, _, head_dim = q.shape
+    assert k.shape == (n, k.shape[1], head_dim) and head_dim % 2 == 0
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "q and k need unit stride along head_dim"
+    assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1
+    has_norm = q_norm_weight is not None
+    assert has_norm == (k_norm_weight is not None), "give both q and k norm weights or neither"
+    return has_norm
 
 
 def qk_norm_rope(
@@ -147,13 +181,9 @@ def qk_norm_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # new contiguous q (N, Hq, D) and k (N, Hkv, D)
     """Neox-style rotary of q and k (after RMSNorm of each head when norm weights are given),
     both in one launch: one program per (token, head)."""
+    has_norm = _check_qk(q, k, cos_sin_cache, q_norm_weight, k_norm_weight)
     n, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    assert k.shape == (n, num_kv_heads, head_dim) and head_dim % 2 == 0
-    assert q.stride(-1) == 1 and k.stride(-1) == 1, "q and k need unit stride along head_dim"
-    assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1
-    has_norm = q_norm_weight is not None
-    assert has_norm == (k_norm_weight is not None), "give both q and k norm weights or neither"
     q_out = torch.empty((n, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty((n, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
     if n == 0:
@@ -169,6 +199,100 @@ def qk_norm_rope(
         num_warps=1,
     )  # fmt: skip
     return q_out, k_out
+
+
+# ---- qk_norm_rope_store ----
+
+
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # slices of a packed tensor
+def _qk_norm_rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_cs,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    num_q_heads, num_kv_heads, eps,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PAGE: tl.constexpr, HAS_NORM: tl.constexpr,
+    FIX_BF16: tl.constexpr, FIX_K_CACHE: tl.constexpr, FIX_V_CACHE: tl.constexpr,
+):  # fmt: skip
+    """Programs (token, head) over Hq + 2 Hkv heads: q heads -> q_out, then k heads -> k_cache,
+    then v heads -> v_cache (a copy); a k or v head of a token with slot < 0 writes nothing."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < HALF
+    if head < num_q_heads:
+        cos, sin = _load_cos_sin(cos_sin_ptr, pos_ptr, tok, stride_cs, offs, mask, HALF)
+        src = q_ptr + tok * stride_qn + head * stride_qh
+        dst = q_out_ptr + (tok * num_q_heads + head) * (2 * HALF)
+        _norm_rope_head(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
+    else:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        if slot >= 0:
+            block = slot // PAGE
+            offset = slot % PAGE
+            kv_head = head - num_q_heads
+            if kv_head < num_kv_heads:
+                cos, sin = _load_cos_sin(cos_sin_ptr, pos_ptr, tok, stride_cs, offs, mask, HALF)
+                src = k_ptr + tok * stride_kn + kv_head * stride_kh
+                dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
+                _norm_rope_head(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, FIX_K_CACHE)
+            else:
+                kv_head -= num_kv_heads
+                src = v_ptr + tok * stride_vn + kv_head * stride_vh
+                dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_head * stride_vch
+                for i in tl.static_range(2):  # offs spans half a head
+                    x = tl.load(src + i * HALF + offs, mask=mask, other=0.0)
+                    if FIX_V_CACHE:
+                        x = round_to(x.to(tl.float32), dst.dtype.element_ty, True)
+                    tl.store(dst + i * HALF + offs, x.to(dst.dtype.element_ty), mask=mask)
+
+
+def _cast_needs_fix(src: torch.dtype, dst: torch.dtype) -> bool:
+    """A conversion src -> dst that the interpreter would truncate (see fix_bf16_rounding)."""
+    return src != dst and fix_bf16_rounding(dst)
+
+
+def qk_norm_rope_store(
+    q: torch.Tensor,  # (N, Hq, D), any strides with unit stride along D
+    k: torch.Tensor,  # (N, Hkv, D), likewise
+    v: torch.Tensor,  # (N, Hkv, D), likewise
+    positions: torch.Tensor,  # (N,) int
+    cos_sin_cache: torch.Tensor,  # (P, D): [cos | sin] per position, as layers.RotaryEmbedding
+    q_norm_weight: torch.Tensor | None,  # (D,): per-head RMSNorm before rope (Qwen3), or None
+    k_norm_weight: torch.Tensor | None,  # (D,), or None
+    eps: float,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D), unit stride along D
+    v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D), likewise
+    slot_mapping: torch.Tensor,  # (N,) int64; slot = block_id * block_size + offset; -1 = skip
+) -> torch.Tensor:  # new contiguous q (N, Hq, D)
+    """qk_norm_rope, with the rotated k and a copy of v written into the caches at the slots (in
+    place; as store_kvcache) instead of returned: one launch, one program per (token, head) over
+    the Hq + 2 Hkv heads."""
+    has_norm = _check_qk(q, k, cos_sin_cache, q_norm_weight, k_norm_weight)
+    n, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert v.shape == k.shape and v.stride(-1) == 1, "v needs k's shape and unit stride along head_dim"
+    cache_shape = (k_cache.shape[0], k_cache.shape[1], num_kv_heads, head_dim)
+    assert k_cache.shape == cache_shape and v_cache.shape == cache_shape, f"caches must be {cache_shape}"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
+    assert slot_mapping.shape == (n,)
+    q_out = torch.empty((n, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if n == 0:
+        return q_out
+    half = head_dim // 2
+    _qk_norm_rope_store_kernel[(n, num_q_heads + 2 * num_kv_heads)](
+        q, k, v, q_out, k_cache, v_cache,
+        q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
+        cos_sin_cache, positions, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_q_heads, num_kv_heads, eps,
+        HALF=half, BLOCK_HALF=next_pow2(half), PAGE=k_cache.shape[1], HAS_NORM=has_norm,
+        FIX_BF16=fix_bf16_rounding(q.dtype),
+        FIX_K_CACHE=_cast_needs_fix(k.dtype, k_cache.dtype), FIX_V_CACHE=_cast_needs_fix(v.dtype, v_cache.dtype),
+        num_warps=1,
+    )  # fmt: skip
+    return q_out
 
 
 # ---- silu_and_mul ----

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import cdiv, fix_bf16_rounding, interpreting, mma, num_sms, round_to, upcast_dot
+from kernels.triton_common import cdiv, fix_bf16_rounding, interpreting, mma, next_pow2, num_sms, round_to, upcast_dot
 
 MAX_ROWS = 16  # one tensor-core tile of rows
 DISPATCH_MAX_ROWS = 4  # where it beats cuBLAS on the H200 (bench/results/linear_h200.md)
@@ -125,6 +125,112 @@ def skinny_linear(
             HAS_BIAS=has_bias, BLOCK=block, FIX_BF16=fix, num_warps=4,
         )  # fmt: skip
     return out
+
+
+# ---- gemv: one to four rows, no tensor cores, no second launch ----
+
+GEMV_MAX_ROWS = 4
+GEMV_WARPS = 8
+GEMV_ELEMS_PER_THREAD = 64  # weight elements each thread loads per step (32 registers of bf16 pairs)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, stride_xm, stride_wn, stride_om,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FIX_BF16: tl.constexpr,
+):  # fmt: skip
+    """Program i: outputs [i * BLOCK_N, (i + 1) * BLOCK_N) of all rows, over the whole of K
+    in steps of BLOCK_K (K is a compile-time constant; the loop is unrolled). At one row the
+    launcher makes BLOCK_K cover all of K, so the program's weight loads are one tile, issued
+    together: at batch 1 the time is the latency of one round of loads, not of several."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, ROWS)
+    m_mask = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    dt = out_ptr.dtype.element_ty
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # (BLOCK_N, 1)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        for r in tl.static_range(ROWS):  # one row at a time: the weight tile is shared
+            x_row = x_ptr + r * stride_xm + k
+            xm = k_mask & (r < M)
+            if SILU_MUL:  # x is [gate | up] (M, 2K): the input is silu(gate) * up, rounded as torch does
+                gate = tl.load(x_row, mask=xm, other=0.0).to(tl.float32)
+                up = tl.load(x_row + K, mask=xm, other=0.0).to(tl.float32)
+                silu = round_to(gate / (1.0 + tl.exp(-gate)), dt, FIX_BF16).to(tl.float32)
+                x = round_to(silu * up, dt, FIX_BF16).to(tl.float32)
+            else:
+                x = tl.load(x_row, mask=xm, other=0.0).to(tl.float32)  # (BLOCK_K,)
+            part = tl.sum(w * x[None, :], axis=1)  # (BLOCK_N,)
+            acc += tl.where(offs_m[:, None] == r, part[None, :], 0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to(acc, dt, FIX_BF16),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemv_block_n(n: int, sms: int) -> int:
+    """Output columns per program: the largest power of two up to 16 that still gives every
+    SM a program (Qwen3-0.6B on 132 SMs: o_proj and down_proj 4 -> 256 programs; q|k|v 16 ->
+    256; gate|up 16 -> 384)."""
+    block = 16
+    while block > 1 and n // block < sms:
+        block //= 2
+    return block
+
+
+def gemv(
+    x: torch.Tensor,  # (M, K), or (M, 2K) [gate | up] with silu_mul; M <= GEMV_MAX_ROWS
+    weight: torch.Tensor,  # (N, K), unit stride along K
+    bias: torch.Tensor | None = None,  # (N,)
+    silu_mul: bool = False,  # the input is silu(gate) * up of x's two halves (the MLP's down_proj)
+) -> torch.Tensor:  # (M, N), dtype of x
+    """x @ W^T (+ bias) for one to four 16-bit rows; with silu_mul, SiluAndMul is applied to x
+    on the fly (one launch instead of two)."""
+    m = x.shape[0]
+    n, k = weight.shape
+    assert m <= GEMV_MAX_ROWS and x.shape[1] == (2 * k if silu_mul else k), (x.shape, weight.shape, silu_mul)
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    rows = next_pow2(m)
+    block_n = gemv_block_n(n, num_sms(x.device))
+    # One step over the whole of K where it fits in GEMV_ELEMS_PER_THREAD (one row of
+    # Qwen3-0.6B's projections: all of them), so that every weight load is issued at once.
+    step = GEMV_ELEMS_PER_THREAD * 32 * GEMV_WARPS // block_n
+    block_k = max(16, min(next_pow2(k), 64 if interpreting() else step))
+    _gemv_kernel[(cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out,
+        m, n, x.stride(0), weight.stride(0), out.stride(0),
+        K=k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, FIX_BF16=fix_bf16_rounding(x.dtype),
+        num_warps=GEMV_WARPS,
+    )  # fmt: skip
+    return out
+
+
+def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The decode projections at batch 1 to 4: 16-bit x of at most GEMV_MAX_ROWS rows with
+    unit strides (any N up to 32768; the vocabulary-sized logits product stays with cuBLAS).
+    fp32 (exact tests), prefill and larger batches keep cuBLAS."""
+    n, _ = weight.shape
+    return (
+        x.dim() == 2
+        and x.shape[0] <= GEMV_MAX_ROWS
+        and n <= 32768
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
 
 
 def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -138,9 +138,12 @@ class SiluAndMul(nn.Module):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: ModuleType | None) -> torch.Tensor:
-    """F.linear, or the Triton skinny kernel for a few 16-bit rows (decode at small batch)."""
-    if skinny is not None and skinny.use_skinny(x, weight):
-        return skinny.skinny_linear(x, weight, bias)
+    """F.linear, or a Triton kernel for a few 16-bit rows (decode at small batch)."""
+    if skinny is not None:
+        if skinny.use_gemv(x, weight):
+            return skinny.gemv(x, weight, bias)
+        if skinny.use_skinny(x, weight):
+            return skinny.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -186,7 +189,9 @@ class Attention(nn.Module):
     """Paged attention over one layer's cache: store this step's K/V, then attend.
 
     With an empty cache (the profiling forward before the pools exist) the store is skipped
-    and each sequence attends causally to its own new tokens only.
+    and each sequence attends causally to its own new tokens only. With stored=True the caller
+    has already written this step's K/V into the cache (the fused q/k norm + rotary kernel of
+    kernels.triton_fused does), so only the attention runs.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops: KernelOps) -> None:
@@ -196,18 +201,26 @@ class Attention(nn.Module):
         self.scale = scale
         self.ops = ops
 
+    @staticmethod
+    def has_cache(kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+        """A real cache, not None or the empty tensors of the profiling forward."""
+        return kv_cache is not None and not (_is_empty(kv_cache[0]) or _is_empty(kv_cache[1]))
+
     def forward(
         self,
         q: torch.Tensor,  # (N, Hq, D)
-        k: torch.Tensor,  # (N, Hkv, D)
-        v: torch.Tensor,  # (N, Hkv, D)
+        k: torch.Tensor | None,  # (N, Hkv, D); unused (may be None) when stored
+        v: torch.Tensor | None,  # (N, Hkv, D); likewise
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,  # each (num_blocks, block_size, Hkv, D)
         attn: AttentionMetadata,
+        stored: bool = False,  # K/V of this step are already in the cache
     ) -> torch.Tensor:  # (N, Hq, D)
-        k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
-        if _is_empty(k_cache) or _is_empty(v_cache):
+        if not self.has_cache(kv_cache):
+            assert not stored, "K/V cannot have been stored without a cache"
             return self._causal_no_cache(q, k, v, attn.cu_seqlens_q)
-        self.ops.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
+        k_cache, v_cache = kv_cache
+        if not stored:
+            self.ops.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
         if attn.is_decode:
             return self.ops.paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
         return self.ops.paged_prefill_attention(

@@ -33,6 +33,13 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
+    """qkv projection, per-head q/k norm (Qwen3) + rotary, paged attention, o projection.
+
+    On the Triton ops with a cache, one fused kernel does the norm + rotary of q and k and
+    writes this step's K and V into the cache (qk_norm_rope_store); without a cache (the
+    profiling forward) or on the torch ops, q and k are rotated and Attention stores K/V.
+    """
+
     def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -49,6 +56,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops)
         fused = fused_kernels(ops)
         self.fused_qk_norm_rope = fused.qk_norm_rope if fused is not None else None
+        self.fused_qk_norm_rope_store = fused.qk_norm_rope_store if fused is not None else None
 
     def forward(
         self,
@@ -61,19 +69,40 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # (N, Hq, D)
         k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()  # (N, Hkv, D)
-        q, k = self._norm_rope(q, k, rope)  # contiguous (N, Hq, D), (N, Hkv, D)
-        o = self.attn(q, k, v, kv_cache, attn)  # (N, Hq, D)
+        if self.fused_qk_norm_rope_store is not None and self.attn.has_cache(kv_cache):
+            v = v.view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, D), a view like q and k
+            q = self._norm_rope_store(q, k, v, rope, kv_cache, attn.slot_mapping)  # contiguous (N, Hq, D)
+            o = self.attn(q, None, None, kv_cache, attn, stored=True)  # (N, Hq, D)
+        else:
+            v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()  # (N, Hkv, D)
+            q, k = self._norm_rope(q, k, rope)  # contiguous (N, Hq, D), (N, Hkv, D)
+            o = self.attn(q, k, v, kv_cache, attn)  # (N, Hq, D)
         return self.o_proj(o.reshape(n, self.q_size))
+
+    def _norm_rope_store(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """_norm_rope's q, with the rotated k and v written into the cache instead (one launch)."""
+        q_w, k_w, eps = self._norm_args()
+        k_cache, v_cache = kv_cache
+        return self.fused_qk_norm_rope_store(
+            q, k, v, rope.positions, rope.cos_sin_cache, q_w, k_w, eps, k_cache, v_cache, slot_mapping
+        )
+
+    def _norm_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """(q norm weight, k norm weight, eps) for the fused kernels; (None, None, 0.0) without
+        a per-head norm."""
+        if self.qk_norm:
+            return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        return None, None, 0.0
 
     def _norm_rope(
         self, q: torch.Tensor, k: torch.Tensor, rope: RotaryInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q/k (views into the qkv output) -> per-head norm (Qwen3), then rotary."""
         if self.fused_qk_norm_rope is not None:
-            q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-            eps = self.q_norm.eps if self.qk_norm else 0.0
-            return self.fused_qk_norm_rope(q, k, rope.positions, rope.cos_sin_cache, q_w, k_w, eps)
+            return self.fused_qk_norm_rope(q, k, rope.positions, rope.cos_sin_cache, *self._norm_args())
         if self.qk_norm:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
         return apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
@@ -88,7 +117,11 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, hidden)
-        return self.down_proj(self.act(self.gate_up_proj(x)))  # via (N, 2I) -> (N, I)
+        gate_up = self.gate_up_proj(x)  # (N, 2I)
+        down, skinny = self.down_proj, self.down_proj.skinny
+        if skinny is not None and skinny.use_gemv(gate_up, down.weight):  # decode at batch <= 4
+            return skinny.gemv(gate_up, down.weight, down.bias, silu_mul=True)  # SiluAndMul fused in
+        return down(self.act(gate_up))  # via (N, I)
 
 
 class LlamaDecoderLayer(nn.Module):

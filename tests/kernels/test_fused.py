@@ -7,12 +7,15 @@ the model. Without CUDA the kernels run under the Triton interpreter (see confte
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kernels import REFERENCE_OPS, select_ops
-from kernels.reference import qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref
-from kernels.triton_fused import qk_norm_rope, rms_norm, silu_and_mul
+from kernels.reference import qk_norm_rope_ref, qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref
+from kernels.triton_fused import qk_norm_rope, qk_norm_rope_store, rms_norm, silu_and_mul
+from kernels.triton_store import store_kvcache
 from model_svc.config import RopeScaling
 from model_svc.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
 
@@ -87,11 +90,13 @@ def test_rms_norm_strided_rows(device):
 # ---- qk_norm_rope ----
 
 
-def _qkv_views(n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device):
-    """q (N, Hq, D) and k (N, Hkv, D) as views into one (N, (Hq + 2 Hkv) D) projection."""
+def _qkv_views(n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device, with_v: bool = False):
+    """q (N, Hq, D) and k (N, Hkv, D) (and v, with_v) as views into one (N, (Hq + 2 Hkv) D)
+    projection."""
     qkv = _randn(n, (hq + 2 * hkv) * d, dtype=dtype, device=device, scale=2.0)
-    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    return q.view(n, hq, d), k.view(n, hkv, d)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    views = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
+    return views if with_v else views[:2]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -116,6 +121,90 @@ def test_qk_norm_rope(device, dtype, qk_norm, head_dim, heads):
     assert torch.equal(q, q_before) and torch.equal(k, k_before)  # inputs untouched
 
 
+# ---- qk_norm_rope_store ----
+
+
+def _poisoned_cache(num_blocks: int, block_size: int, hkv: int, d: int, dtype: torch.dtype, device, padded: bool):
+    """A NaN-filled (num_blocks, block_size, Hkv, D) cache; padded: a view with row stride > D,
+    as a cache carved out of a bigger tensor."""
+    width = d + 8 if padded else d
+    cache = torch.full((num_blocks, block_size, hkv, width), float("nan"), dtype=dtype, device=device)
+    return cache[..., :d]
+
+
+def _written_rows(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """(num_slots,) bool: the cache rows a slot mapping writes."""
+    written = torch.zeros(num_slots, dtype=torch.bool)
+    written[slots[slots >= 0].cpu()] = True
+    return written
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm-rope"])
+@pytest.mark.parametrize("head_dim,heads", [(8, (2, 2)), (64, (4, 2)), (8, (4, 2)), (64, (2, 2)), (80, (2, 1))])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense-cache", "strided-cache"])
+def test_qk_norm_rope_store(device, dtype, qk_norm, head_dim, heads, padded):
+    torch.manual_seed(head_dim + heads[0])
+    hq, hkv = heads
+    n, max_positions, num_blocks, block_size = 6, 256, 6, 4
+    q, k, v = _qkv_views(n, hq, hkv, head_dim, dtype, device, with_v=True)
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
+    rope_cache = RotaryEmbedding(head_dim, max_positions, 10000.0).cos_sin_cache.to(device, dtype)
+    # positions and slots as slices of one packed int64 tensor at an odd offset (as the runner packs them)
+    packed = torch.tensor([7, 0, 1, 255, 17, 100, 5, 13, 8, -1, 23, 1, -1, 6], dtype=torch.int64, device=device)
+    positions, slots = packed[1 : n + 1], packed[n + 2 :]
+    assert slots.shape == (n,) and slots.max() < num_blocks * block_size  # blocks 2, 5, 0, 1; two tokens skipped
+    weights = (None, None)
+    if qk_norm:
+        weights = tuple(_randn(head_dim, dtype=dtype, device=device, scale=0.3) + 1.0 for _ in range(2))
+    caches = {
+        name: (_poisoned_cache(num_blocks, block_size, hkv, head_dim, dtype, device, padded),
+               _poisoned_cache(num_blocks, block_size, hkv, head_dim, dtype, device, padded))
+        for name in ("got", "want", "unfused")
+    }  # fmt: skip
+    before = q.clone(), k.clone(), v.clone()
+    got = qk_norm_rope_store(q, k, v, positions, rope_cache, *weights, 1e-6, *caches["got"], slots)
+    want = qk_norm_rope_store_ref(q, k, v, positions, rope_cache, *weights, 1e-6, *caches["want"], slots)
+    assert all(torch.equal(x, y) for x, y in zip((q, k, v), before))  # inputs untouched
+    assert_matches(got, want)
+    written = _written_rows(slots, num_blocks * block_size)
+    assert written.sum() == 4
+    for which, got_cache, want_cache in zip("kv", caches["got"], caches["want"]):
+        got_rows, want_rows = got_cache.reshape(-1, hkv, head_dim), want_cache.reshape(-1, hkv, head_dim)
+        assert got_rows[~written].isnan().all()  # rows of no slot (and of the skipped tokens) untouched
+        if which == "v":  # a copy
+            assert torch.equal(got_rows[written], want_rows[written])
+        else:
+            assert_matches(got_rows[written].contiguous(), want_rows[written].contiguous())
+    # bit for bit the unfused Triton path it replaces: qk_norm_rope, then store_kvcache
+    q_unfused, k_unfused = qk_norm_rope(q, k, positions, rope_cache, *weights, eps=1e-6)
+    store_kvcache(k_unfused, v, *caches["unfused"], slots)
+    assert torch.equal(got, q_unfused)
+    for got_cache, unfused_cache in zip(caches["got"], caches["unfused"]):
+        assert torch.equal(got_cache.nan_to_num(7.0), unfused_cache.nan_to_num(7.0))
+
+
+def test_qk_norm_rope_store_casts_to_cache_dtype(device):
+    """fp32 activations into bf16 caches: rotated in fp32, then rounded once, as .to() does."""
+    torch.manual_seed(2)
+    n, hq, hkv, d = 3, 4, 2, 16
+    q, k, v = _qkv_views(n, hq, hkv, d, torch.float32, device, with_v=True)
+    rope_cache = RotaryEmbedding(d, 64, 10000.0).cos_sin_cache.to(device)
+    positions = torch.tensor([3, 0, 63], dtype=torch.int64, device=device)
+    slots = torch.tensor([5, 2, -1], dtype=torch.int64, device=device)
+    weights = tuple(_randn(d, dtype=torch.float32, device=device, scale=0.3) + 1.0 for _ in range(2))
+    got_caches = [torch.zeros(2, 4, hkv, d, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    want_caches = [c.clone() for c in got_caches]
+    got = qk_norm_rope_store(q, k, v, positions, rope_cache, *weights, 1e-6, *got_caches, slots)
+    want = qk_norm_rope_store_ref(q, k, v, positions, rope_cache, *weights, 1e-6, *want_caches, slots)
+    assert_matches(got, want)
+    assert torch.equal(got_caches[1], want_caches[1])
+    # k: fp32 results an ulp apart may round to neighbouring bf16 values, but rarely (a
+    # truncating conversion would miss about half of them)
+    torch.testing.assert_close(got_caches[0].float(), want_caches[0].float(), rtol=1e-2, atol=1e-2)
+    assert (got_caches[0] != want_caches[0]).float().mean() < 0.05
+
+
 # ---- silu_and_mul ----
 
 
@@ -136,6 +225,12 @@ def test_empty_batch(device):
     q, k = qk_norm_rope(torch.empty(0, 2, 8, device=device), torch.empty(0, 1, 8, device=device),
                         torch.empty(0, dtype=torch.int64, device=device), cache)
     assert q.shape == (0, 2, 8) and k.shape == (0, 1, 8)
+    kv_cache = torch.full((2, 4, 1, 8), 3.0, device=device)
+    empty_heads = torch.empty(0, 1, 8, device=device)
+    q = qk_norm_rope_store(torch.empty(0, 2, 8, device=device), empty_heads, empty_heads,
+                           torch.empty(0, dtype=torch.int64, device=device), cache, None, None, 0.0,
+                           kv_cache, kv_cache, torch.empty(0, dtype=torch.int64, device=device))
+    assert q.shape == (0, 2, 8) and (kv_cache == 3.0).all()
 
 
 # ---- a tiny Qwen3 on the Triton ops against the torch ops ----
@@ -147,12 +242,21 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
     pytest.importorskip("transformers")
     from kernels import triton_fused
 
-    calls = {name: 0 for name in ("rms_norm", "qk_norm_rope", "silu_and_mul")}
-    for name in calls:  # count launches: every layer must take the fused path, not just hold it
-        def counted(*args, _fn=getattr(triton_fused, name), _name=name, **kwargs):
-            calls[_name] += 1
-            return _fn(*args, **kwargs)
-        monkeypatch.setattr(triton_fused, name, counted)
+    fused_names = ("rms_norm", "qk_norm_rope", "qk_norm_rope_store", "silu_and_mul")
+    calls = {name: 0 for name in (*fused_names, "store_kvcache")}
+
+    def counting(fn, name):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for name in fused_names:  # count launches: every layer must take the fused path, not just hold it
+        monkeypatch.setattr(triton_fused, name, counting(getattr(triton_fused, name), name))
+    from kernels import triton_linear
+
+    calls["gemv"] = 0
+    monkeypatch.setattr(triton_linear, "gemv", counting(triton_linear.gemv, "gemv"))
     from model_svc.config import ModelConfig
     from model_svc.loader import build_random_model
     from tests.model.paged_sim import PagedSim
@@ -160,22 +264,39 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
 
     config = ModelConfig.from_hf_config(tiny_hf_config("qwen3", head_dim=32, intermediate_size=96))
     triton_ops = select_ops(device, "triton")
+    triton_ops = dataclasses.replace(triton_ops, store_kvcache=counting(triton_ops.store_kvcache, "store_kvcache"))
     models = {name: build_random_model(config, dtype, device, seed=3, ops=ops, std=0.1)
               for name, ops in (("torch", REFERENCE_OPS), ("triton", triton_ops))}
-    assert models["triton"].model.layers[0].self_attn.fused_qk_norm_rope is not None
-    assert models["torch"].model.layers[0].self_attn.fused_qk_norm_rope is None
+    assert models["triton"].model.layers[0].self_attn.fused_qk_norm_rope_store is not None
+    assert models["torch"].model.layers[0].self_attn.fused_qk_norm_rope_store is None
     sims = {name: PagedSim(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                            num_blocks=16, block_size=8, dtype=dtype, device=str(device)) for name in models}
-    steps = [[(0, list(range(5, 16))), (1, [7, 8, 9])], [(0, [3]), (1, [4])]]  # a prefill, a decode
-    for new_tokens in steps:
+    layers = config.num_hidden_layers
+    # a prefill and a decode through the cache (K/V stored by the fused kernel, no separate
+    # store), then a profiling forward without one (q/k rotated, K/V used directly)
+    steps = [([(0, list(range(5, 16))), (1, [7, 8, 9])], True), ([(0, [3]), (1, [4])], True),
+             ([(2, [1, 2, 3, 4])], False)]
+    for new_tokens, with_cache in steps:
         hidden = {}
         for name, model in models.items():
             ids, positions, attn = sims[name].step(new_tokens)
-            hidden[name] = model(ids, positions, sims[name].kv_caches, attn)
-        layers = config.num_hidden_layers
-        assert calls == {"rms_norm": 2 * layers + 1, "qk_norm_rope": layers, "silu_and_mul": layers}
+            hidden[name] = model(ids, positions, sims[name].kv_caches if with_cache else None, attn)
+        fused_rope = {"qk_norm_rope_store": layers, "qk_norm_rope": 0} if with_cache else {"qk_norm_rope": layers}
+        if dtype != torch.float32 and len(ids) <= triton_linear.GEMV_MAX_ROWS:
+            # 16-bit decode-sized batches: the four projections by gemv, SiLU-and-mul inside down's
+            mlp = {"gemv": 4 * layers, "silu_and_mul": 0}
+        else:
+            mlp = {"gemv": 0, "silu_and_mul": layers}
+        assert calls == {**dict.fromkeys(calls, 0), "rms_norm": 2 * layers + 1, **mlp, **fused_rope}
         calls.update(dict.fromkeys(calls, 0))
         if dtype == torch.float32:
             torch.testing.assert_close(hidden["triton"], hidden["torch"], rtol=1e-4, atol=1e-4)
         else:
             torch.testing.assert_close(hidden["triton"].float(), hidden["torch"].float(), rtol=3e-2, atol=3e-2)
+    for (k_t, v_t), (k_r, v_r) in zip(sims["triton"].kv_caches, sims["torch"].kv_caches):  # the caches too
+        if dtype == torch.float32:
+            torch.testing.assert_close(k_t, k_r, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v_t, v_r, rtol=1e-4, atol=1e-4)
+        else:
+            torch.testing.assert_close(k_t.float(), k_r.float(), rtol=3e-2, atol=3e-2)
+            torch.testing.assert_close(v_t.float(), v_r.float(), rtol=3e-2, atol=3e-2)

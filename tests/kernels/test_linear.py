@@ -7,7 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_linear import DISPATCH_MAX_ROWS, pick_split_k, skinny_linear, use_skinny
+from kernels.reference import silu_and_mul_ref
+from kernels.triton_linear import (
+    DISPATCH_MAX_ROWS,
+    GEMV_MAX_ROWS,
+    gemv,
+    gemv_block_n,
+    pick_split_k,
+    skinny_linear,
+    use_gemv,
+    use_skinny,
+)
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -55,3 +65,52 @@ def test_dispatch_rule():
     assert pick_split_k(1024, 2048, 16, 256, 132) == 4
     assert pick_split_k(1024, 512, 16, 256, 132) == 1  # capped: at least 2 K steps per chunk
     assert pick_split_k(1024, 3072, 16, 256, 132) == 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 100, 300), (4, 33, 96), (2, 16, 8), (1, 300, 200)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_f_linear(device, dtype, m, n, k, bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn((m, k), generator=gen).to(device, dtype)
+    w = (torch.randn((n, k), generator=gen) / k**0.5).to(device, dtype)
+    b = torch.randn((n,), generator=gen).to(device, dtype) if bias else None
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    check(gemv(x, w, b), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (4, 24, 96), (2, 70, 200)])
+def test_gemv_silu_mul_is_silu_and_mul_then_linear(device, dtype, m, n, k):
+    """down_proj(SiluAndMul(gate_up)) in one launch: the activation is rounded as the separate
+    op rounds it, so the result is the two-step result up to the sum's order."""
+    gen = torch.Generator().manual_seed(n + k)
+    gate_up = torch.randn((m, 2 * k), generator=gen).to(device, dtype)
+    w = (torch.randn((n, k), generator=gen) / k**0.5).to(device, dtype)
+    act = silu_and_mul_ref(gate_up)
+    check(gemv(gate_up, w, silu_mul=True), F.linear(act.float(), w.float()).to(dtype))
+
+
+def test_gemv_strided_rows_poisoned_output_and_empty(device):
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn((3, 96), generator=gen).to(device, torch.bfloat16)
+    x = wide[:, 16:80]  # rows 96 apart
+    w = torch.randn((40, 64), generator=gen).to(device, torch.bfloat16)
+    out = gemv(x, w)
+    assert torch.isfinite(out.float()).all()  # every output written (torch.empty may hold NaN)
+    check(out, F.linear(x.float(), w.float()).to(torch.bfloat16))
+    assert gemv(x[:0], w).shape == (0, 40)
+    with pytest.raises(AssertionError):
+        gemv(torch.zeros((GEMV_MAX_ROWS + 1, 64), dtype=torch.bfloat16, device=device), w)
+
+
+def test_gemv_dispatch_and_tiling():
+    x = torch.zeros((GEMV_MAX_ROWS, 8), dtype=torch.bfloat16)
+    w = torch.zeros((16, 8), dtype=torch.bfloat16)
+    assert use_gemv(x, w) and use_gemv(x[:1], w)
+    assert not use_gemv(torch.zeros((GEMV_MAX_ROWS + 1, 8), dtype=torch.bfloat16), w)  # cuBLAS from 5 rows
+    assert not use_gemv(x.float(), w.float())  # fp32 stays exact with cuBLAS
+    assert not use_gemv(x, torch.zeros((151936, 8), dtype=torch.bfloat16))  # the logits product: cuBLAS
+    # Qwen3-0.6B on 132 SMs: every SM gets a program
+    assert gemv_block_n(1024, 132) == 4 and gemv_block_n(4096, 132) == 16 and gemv_block_n(6144, 132) == 16
+    assert gemv_block_n(40, 132) == 1
