@@ -1,11 +1,14 @@
-"""Paged decode attention in Triton: split-KV (flash-decoding) with GQA packing.
+"""Paged decode attention in Triton: split-KV (flash-decoding) with GQA packing, one launch.
 
 One program handles (split, KV head, sequence): the query heads that share the KV head are
 packed as the rows of one tile, so each K/V tile is read from memory once for the whole group.
 The sequence's context is cut into `num_splits` chunks (chosen at run time, see
-`pick_num_splits`); every program writes its chunk's normalised partial output and
-log-sum-exp, and a second kernel combines the chunks. With one split the first kernel writes
-the output itself and the second is skipped.
+`pick_num_splits`). With one split the program writes the output itself. With more, every
+program writes its chunk's normalised partial output and log-sum-exp to scratch, then takes a
+ticket from an arrival counter of its (sequence, KV head); the program that arrives last
+combines the group's partials, writes the output and sets the counter back to zero for the
+next launch (so the counters live across launches and CUDA graph replays; see
+`_arrival_counters`). There is no second kernel.
 
 Contract: `paged_decode_attention` has the signature and semantics of
 `kernels.reference.paged_decode_attention_ref`.
@@ -81,7 +84,7 @@ def pick_num_splits(
     less than 576; at B=32, L=8k one split (256 programs) beat three.
 
     On an H200 (132 SMs) with 8 KV heads: B=1 -> 33 splits (about 1k tokens each at L=32k;
-    16 one-tile splits at L=1k); B=8 -> 4; B=16 -> 2; B>=23 -> 1 (no combine kernel at all).
+    16 one-tile splits at L=1k); B=8 -> 4; B=16 -> 2; B>=23 -> 1 (nothing to combine).
 
     max_seq_len may be an upper bound (the decode wrapper passes block_tables.shape[1] *
     block_size, known on the host without a device sync, so the choice is CUDA-graph safe);
@@ -97,7 +100,7 @@ def pick_num_splits(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
     scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -107,7 +110,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
-    FIX_BF16: tl.constexpr,
+    FIX_BF16: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -160,46 +163,92 @@ def _decode_split_kernel(
             round_to(out, out_ptr.dtype.element_ty, FIX_BF16), mask=g_mask[:, None] & d_mask[None, :],
         )
     else:
-        # An empty split (a sequence shorter than the longest) has l = 0: lse = -inf, out = 0.
-        has_keys = l_i > 0.0
-        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        # Only the first num_used splits hold keys (fewer than num_splits when the sequence is
+        # shorter than the longest; none when seq_len is 0): the others store no partials, and
+        # the combine reads only these.
+        num_used = tl.cdiv(seq_len, tl.maximum(chunk, 1))
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l = 0 only in unused splits
+        out = acc / l_safe[:, None]
+        lse = m_i + tl.log2(l_safe)
         row = (seq.to(tl.int64) * num_q_heads + q_heads) * num_splits + split  # (GROUP_PAD,)
-        tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_mask[:, None])
-        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        used = g_mask & (split < num_used)
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=used[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=used)
+
+        # Every thread's partial stores complete before the barrier; one thread then takes a
+        # ticket with a gpu-scope acq_rel atomic, which releases them to the program that
+        # arrives last and, in that program, acquires everyone else's (each ticket is both).
+        tl.debug_barrier()
+        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_splits - 1:
+            _combine_group(
+                part_out_ptr, part_lse_ptr,
+                (seq.to(tl.int64) * num_q_heads + kv_head * GROUP) * num_splits, num_splits, num_used,
+                out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP).to(tl.int64) * stride_oh, stride_oh,
+                GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_S, FIX_BF16,
+            )
+            tl.store(counter, 0)  # all num_splits tickets are taken: ready for the next launch
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    num_splits, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr, FIX_BF16: tl.constexpr,
+@triton.jit
+def _combine_group(
+    part_out_ptr, part_lse_ptr, row0, num_splits, num_used, out_ptr, stride_oh,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
-    head = tl.program_id(0)
-    seq = tl.program_id(1)
-    row0 = (seq.to(tl.int64) * tl.num_programs(0) + head) * num_splits
-
-    offs_s = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # seq_len 0 (padding rows): zeros
-
+    """Combine the partials of the first num_used splits of GROUP query heads (scratch rows
+    row0 + g * num_splits + s) into their outputs (out_ptr: the group's first head): weights
+    exp2(lse - max lse), in one pass over chunks of BLOCK_S splits, the running max rescaling
+    the sums as in the online softmax. With no split used (seq_len 0) the output is zeros.
+    The partials are other programs' stores: loaded through L2 (.cg), never from a possibly
+    stale L1 line."""
+    offs_g = tl.arange(0, GROUP_P2)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_b = tl.arange(0, BLOCK_S)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    weights = tl.zeros([BLOCK_S], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        s = s0 + offs_b
-        s_mask = s < num_splits
-        w = tl.exp2(tl.load(part_lse_ptr + row0 + s, mask=s_mask, other=float("-inf")) - lse_max)
-        o = tl.load(part_out_ptr + (row0 + s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-        acc += tl.sum(o * w[:, None], 0)
-        weights += w
-    weight_sum = tl.sum(weights, 0)
-    out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d, round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
-             mask=offs_d < HEAD_DIM)
+    g_mask = offs_g < GROUP
+    rows_g = row0 + offs_g * num_splits  # (GROUP_P2,)
+    m = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    weight_sum = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
+    for s0 in range(0, num_used, BLOCK_S):
+        s = s0 + offs_s
+        mask = g_mask[:, None] & (s < num_used)[None, :]  # (GROUP_P2, BLOCK_S)
+        rows = rows_g[:, None] + s[None, :]
+        lse = tl.load(part_lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_out_ptr + rows[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=mask[:, :, None],
+                    other=0.0, cache_modifier=".cg")  # (GROUP_P2, BLOCK_S, BLOCK_D)
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows (g >= GROUP)
+        alpha = tl.exp2(m - shift)
+        w = tl.exp2(lse - shift[:, None])
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
+        weight_sum = weight_sum * alpha + tl.sum(w, 1)
+        m = m_new
+    out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
+    tl.store(out_ptr + offs_g[:, None] * stride_oh + offs_d[None, :], round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
+             mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+# Arrival counters of the split kernel, one zeroed int32 per (sequence, KV head), per device.
+# Every launch leaves them at zero, so one buffer serves all launches and graph replays. It is
+# allocated (and grown) only outside CUDA graph capture in the normal flow: the engine runs an
+# eager call of the same or a larger shape before it captures, and the minimum size covers
+# batch 512 x 128 KV heads. A grown-out buffer is kept alive, since a graph captured earlier
+# still points at it.
+MIN_ARRIVAL_COUNTERS = 65536
+_ARRIVAL_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
+    counters = _ARRIVAL_COUNTERS.get(device)
+    if counters is None or counters.numel() < needed:
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
+        counters = torch.zeros(max(needed, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
+        _ARRIVAL_COUNTERS[device] = counters
+    return counters
 
 
 def decode_with_config(
@@ -235,13 +284,20 @@ def decode_with_config(
     direct = num_splits == 1
     if direct:
         part_out = part_lse = out  # unused
+        counters = seq_lens  # unused
     else:
         part_out = torch.empty((batch, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        counters = _arrival_counters(q.device, batch * num_kv_heads)
+    # The combine's (GROUP_P2, BLOCK_S, BLOCK_D) tile of partials: at most 8k fp32 (64 registers
+    # a thread at 4 warps) and 32 splits. Each chunk of splits costs about 0.45 us on an H200
+    # (an L2 round trip), so chunks are as large as that allows; a 64-split tile was slower.
+    group_p2 = next_pow2(group)
+    block_s = max(1, min(32, 8192 // (block_d * group_p2)))
 
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, seq_lens,
-        out, part_out, part_lse,
+        out, part_out, part_lse, counters,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -251,17 +307,9 @@ def decode_with_config(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=config.block_n,
         DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), SPLIT_P=config.split_p and split_p(q.dtype),
-        FIX_BF16=fix_bf16_rounding(q.dtype),
+        FIX_BF16=fix_bf16_rounding(q.dtype), GROUP_P2=group_p2, BLOCK_S=block_s,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if not direct:
-        _decode_combine_kernel[(num_q_heads, batch)](
-            part_out, part_lse, out,
-            num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
-            SPLITS_PAD=next_pow2(num_splits), BLOCK_S=min(16, next_pow2(num_splits)), FIX_BF16=fix_bf16_rounding(q.dtype),
-            num_warps=4 if block_d >= 128 else 2,
-        )
     return out
 
 

@@ -134,17 +134,31 @@ GEMV_WARPS = 8
 GEMV_ELEMS_PER_THREAD = 64  # weight elements each thread loads per step (32 registers of bf16 pairs)
 
 
+@triton.jit
+def _norm_input(x_row, res_row, mask, HAS_RESIDUAL: tl.constexpr, dt: tl.constexpr, FIX_BF16: tl.constexpr):
+    """x (+ residual) of one row chunk, rounded to dt as the residual add rounds, in fp32."""
+    h = tl.load(x_row, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        h = round_to(h.to(tl.float32) + tl.load(res_row, mask=mask, other=0.0).to(tl.float32), dt, FIX_BF16)
+    return h.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
-    M, N, stride_xm, stride_wn, stride_om,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    res_ptr, nw_ptr, new_res_ptr, eps,
+    M, N, stride_xm, stride_wn, stride_om, stride_rm, stride_nrm,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FIX_BF16: tl.constexpr,
 ):  # fmt: skip
     """Program i: outputs [i * BLOCK_N, (i + 1) * BLOCK_N) of all rows, over the whole of K
     in steps of BLOCK_K (K is a compile-time constant; the loop is unrolled). At one row the
     launcher makes BLOCK_K cover all of K, so the program's weight loads are one tile, issued
-    together: at batch 1 the time is the latency of one round of loads, not of several."""
+    together: at batch 1 the time is the latency of one round of loads, not of several.
+
+    The input row is x, or silu(gate) * up of x's halves (SILU_MUL), or RMSNorm(x + residual)
+    (NORM; every program normalises the few rows itself, they sit in L2, and program 0 writes
+    the new residual). Each is rounded where the separate kernels round."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -153,11 +167,24 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     dt = out_ptr.dtype.element_ty
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # (BLOCK_N, 1)
+    # the first weight tile (at one row: all of it) is requested before anything else
+    w_first = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    rstd = tl.zeros([ROWS], tl.float32)
+    if NORM:  # first pass over the rows: their sums of squares
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            for r in tl.static_range(ROWS):
+                h = _norm_input(x_ptr + r * stride_xm + k, res_ptr + r * stride_rm + k, (k < K) & (r < M), HAS_RESIDUAL, dt, FIX_BF16)
+                rstd += tl.where(offs_m == r, tl.sum(h * h, axis=0), 0.0)
+        rstd = tl.rsqrt(rstd / K + eps)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if k0 == 0:
+            w = w_first.to(tl.float32)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         for r in tl.static_range(ROWS):  # one row at a time: the weight tile is shared
             x_row = x_ptr + r * stride_xm + k
             xm = k_mask & (r < M)
@@ -166,6 +193,13 @@ def _gemv_kernel(
                 up = tl.load(x_row + K, mask=xm, other=0.0).to(tl.float32)
                 silu = round_to(gate / (1.0 + tl.exp(-gate)), dt, FIX_BF16).to(tl.float32)
                 x = round_to(silu * up, dt, FIX_BF16).to(tl.float32)
+            elif NORM:  # as kernels.triton_fused.rms_norm: round(round(h * rstd) * weight)
+                h = _norm_input(x_row, res_ptr + r * stride_rm + k, xm, HAS_RESIDUAL, dt, FIX_BF16)
+                if HAS_RESIDUAL:
+                    tl.store(new_res_ptr + r * stride_nrm + k, h.to(dt), mask=xm & (pid == 0))
+                row_rstd = tl.sum(tl.where(offs_m == r, rstd, 0.0), axis=0)
+                normed = round_to(h * row_rstd, dt, FIX_BF16).to(tl.float32)
+                x = round_to(tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32) * normed, dt, FIX_BF16).to(tl.float32)
             else:
                 x = tl.load(x_row, mask=xm, other=0.0).to(tl.float32)  # (BLOCK_K,)
             part = tl.sum(w * x[None, :], axis=1)  # (BLOCK_N,)
@@ -194,10 +228,35 @@ def gemv(
 ) -> torch.Tensor:  # (M, N), dtype of x
     """x @ W^T (+ bias) for one to four 16-bit rows; with silu_mul, SiluAndMul is applied to x
     on the fly (one launch instead of two)."""
+    k = weight.shape[1]
+    assert x.shape[1] == (2 * k if silu_mul else k), (x.shape, weight.shape, silu_mul)
+    return _launch_gemv(x, weight, bias, silu_mul=silu_mul)
+
+
+def rms_norm_gemv(
+    x: torch.Tensor,  # (M, K), M <= GEMV_MAX_ROWS
+    residual: torch.Tensor | None,  # (M, K), dtype of x
+    norm_weight: torch.Tensor,  # (K,)
+    eps: float,
+    weight: torch.Tensor,  # (N, K)
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (M, N) output, (M, K) new residual
+    """linear(RMSNorm(x + residual)) in one launch, with the new residual x + residual (x
+    itself without a residual), as kernels.triton_fused.rms_norm followed by gemv: the
+    decoder layer's input and post-attention norms at decode batch sizes."""
+    assert x.shape[1] == weight.shape[1] == norm_weight.shape[0] and x.stride(-1) == 1
+    assert norm_weight.dtype == x.dtype, "the fused norm rounds its product to the activation dtype"
+    if residual is None:
+        return _launch_gemv(x, weight, bias, norm=(norm_weight, eps, None, None)), x
+    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _launch_gemv(x, weight, bias, norm=(norm_weight, eps, residual, new_residual)), new_residual
+
+
+def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False, norm=None) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape
-    assert m <= GEMV_MAX_ROWS and x.shape[1] == (2 * k if silu_mul else k), (x.shape, weight.shape, silu_mul)
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert m <= GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1, (x.shape, x.stride(), weight.stride())
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -207,10 +266,15 @@ def gemv(
     # Qwen3-0.6B's projections: all of them), so that every weight load is issued at once.
     step = GEMV_ELEMS_PER_THREAD * 32 * GEMV_WARPS // block_n
     block_k = max(16, min(next_pow2(k), 64 if interpreting() else step))
+    norm_weight, eps, residual, new_residual = norm if norm is not None else (x, 0.0, None, None)
+    has_residual = residual is not None
+    residual = residual if has_residual else x
+    new_residual = new_residual if has_residual else x
     _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
-        m, n, x.stride(0), weight.stride(0), out.stride(0),
-        K=k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        residual, norm_weight, new_residual, eps,
+        m, n, x.stride(0), weight.stride(0), out.stride(0), residual.stride(0), new_residual.stride(0),
+        K=k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RESIDUAL=has_residual,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, FIX_BF16=fix_bf16_rounding(x.dtype),
         num_warps=GEMV_WARPS,
     )  # fmt: skip

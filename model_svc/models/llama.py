@@ -65,8 +65,17 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache | None,
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # (N, hidden)
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(self.qkv_proj(x), rope, kv_cache, attn)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # (N, q_size + 2 * kv_size): the qkv projection's output
+        rope: RotaryInputs,
+        kv_cache: KVCache | None,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # (N, hidden)
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # (N, Hq, D)
         k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
         if self.fused_qk_norm_rope_store is not None and self.attn.has_cache(kv_cache):
@@ -117,7 +126,9 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, hidden)
-        gate_up = self.gate_up_proj(x)  # (N, 2I)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N, hidden)
         down, skinny = self.down_proj, self.down_proj.skinny
         if skinny is not None and skinny.use_gemv(gate_up, down.weight):  # decode at batch <= 4
             return skinny.gemv(gate_up, down.weight, down.bias, silu_mul=True)  # SiluAndMul fused in
@@ -140,10 +151,31 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache | None,
         attn: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._norms_in_gemv(x):  # decode at batch <= 4: each norm inside the next projection
+            qkv, residual = self._norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
+            x = self.self_attn.attend(qkv, rope, kv_cache, attn)
+            gate_up, residual = self._norm_linear(x, residual, self.post_attention_layernorm, self.mlp.gate_up_proj)
+            return self.mlp.down(gate_up), residual
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rope, kv_cache, attn)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _norms_in_gemv(self, x: torch.Tensor) -> bool:
+        """The Triton gemv takes these rows, and can apply the norms (their weights in x's dtype)."""
+        qkv = self.self_attn.qkv_proj
+        return (
+            qkv.skinny is not None
+            and qkv.skinny.use_gemv(x, qkv.weight)
+            and self.input_layernorm.weight.dtype == self.post_attention_layernorm.weight.dtype == x.dtype
+        )
+
+    @staticmethod
+    def _norm_linear(
+        x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, proj: Linear
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """proj(norm(x, residual)) and the new residual, in one launch."""
+        return proj.skinny.rms_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
 
 
 class LlamaModel(nn.Module):

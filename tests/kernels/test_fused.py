@@ -255,8 +255,9 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
         monkeypatch.setattr(triton_fused, name, counting(getattr(triton_fused, name), name))
     from kernels import triton_linear
 
-    calls["gemv"] = 0
-    monkeypatch.setattr(triton_linear, "gemv", counting(triton_linear.gemv, "gemv"))
+    for name in ("gemv", "rms_norm_gemv"):
+        calls[name] = 0
+        monkeypatch.setattr(triton_linear, name, counting(getattr(triton_linear, name), name))
     from model_svc.config import ModelConfig
     from model_svc.loader import build_random_model
     from tests.model.paged_sim import PagedSim
@@ -283,11 +284,12 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
             hidden[name] = model(ids, positions, sims[name].kv_caches if with_cache else None, attn)
         fused_rope = {"qk_norm_rope_store": layers, "qk_norm_rope": 0} if with_cache else {"qk_norm_rope": layers}
         if dtype != torch.float32 and len(ids) <= triton_linear.GEMV_MAX_ROWS:
-            # 16-bit decode-sized batches: the four projections by gemv, SiLU-and-mul inside down's
-            mlp = {"gemv": 4 * layers, "silu_and_mul": 0}
+            # 16-bit decode-sized batches: o and down by gemv (SiLU-and-mul inside down's), q|k|v
+            # and gate|up by gemv with the layer's two norms inside; only the final norm is alone
+            projections = {"gemv": 2 * layers, "rms_norm_gemv": 2 * layers, "silu_and_mul": 0, "rms_norm": 1}
         else:
-            mlp = {"gemv": 0, "silu_and_mul": layers}
-        assert calls == {**dict.fromkeys(calls, 0), "rms_norm": 2 * layers + 1, **mlp, **fused_rope}
+            projections = {"gemv": 0, "rms_norm_gemv": 0, "silu_and_mul": layers, "rms_norm": 2 * layers + 1}
+        assert calls == {**dict.fromkeys(calls, 0), **projections, **fused_rope}
         calls.update(dict.fromkeys(calls, 0))
         if dtype == torch.float32:
             torch.testing.assert_close(hidden["triton"], hidden["torch"], rtol=1e-4, atol=1e-4)

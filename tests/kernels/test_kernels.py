@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from kernels import REFERENCE_OPS, select_ops
+from kernels import REFERENCE_OPS, select_ops, triton_decode
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kvcache_ref
 from kernels.triton_ops import (
     TRITON_OPS,
@@ -233,6 +233,49 @@ def test_decode_public_entry_point(device):
     q = make_query(2, 4, 2, 64, torch.float32, device, gen)
     out = TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125)
     assert_matches(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, 0.125))
+
+
+@pytest.mark.parametrize("num_splits,heads", [(3, (8, 2)), (7, (4, 4)), (19, (16, 2))])
+def test_decode_last_split_combines_and_resets_its_counter(device, num_splits, heads):
+    """With several splits, the last program of each (sequence, KV head) to arrive combines the
+    partials in the same launch: shorter sequences leave their last splits empty, and a padding
+    row (seq_len 0) has only empty splits. With 19 splits and 8 query heads per KV head the
+    combine takes two chunks of splits (16 + 3), both holding keys of the longest sequence.
+    Every arrival counter is back at zero afterwards, so a second launch on the same counters
+    (and a NaN-poisoned output) gives the same result."""
+    gen = torch.Generator().manual_seed(12)
+    num_q_heads, num_kv_heads = heads
+    lens = [300, 40, 1, 9, 100]
+    k_cache, v_cache, block_tables, seq_lens = make_paged_kv(lens, num_kv_heads, 64, 16, torch.float32, device, gen)
+    seq_lens[2] = 0
+    q = make_query(5, num_q_heads, num_kv_heads, 64, torch.float32, device, gen)
+    out = decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, 0.125, num_splits=num_splits,
+                             out=nan_like(q.contiguous()))
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    real = torch.tensor([0, 1, 3, 4], device=device)
+    ref = paged_decode_attention_ref(q[real], k_cache, v_cache, block_tables[real], seq_lens[real], 0.125)
+    assert_matches(out[real], ref)
+
+    counters = triton_decode._ARRIVAL_COUNTERS[q.device]
+    assert counters.dtype == torch.int32 and counters.numel() >= triton_decode.MIN_ARRIVAL_COUNTERS
+    assert not counters.any()
+    again = decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, 0.125, num_splits=num_splits,
+                               out=nan_like(q.contiguous()))
+    assert torch.equal(again, out)
+    assert not counters.any()
+
+
+def test_decode_arrival_counters_persist_and_grow(device):
+    """One zeroed buffer per device, reused by every launch that fits; a launch needing more
+    replaces it with a larger one and keeps the old one alive (a captured graph may use it)."""
+    device = torch.empty(0, device=device).device  # with its index, as the kernels see it
+    first = triton_decode._arrival_counters(device, 1)
+    assert first.dtype == torch.int32 and first.numel() >= triton_decode.MIN_ARRIVAL_COUNTERS and not first.any()
+    assert triton_decode._arrival_counters(device, first.numel()) is first
+    grown = triton_decode._arrival_counters(device, first.numel() + 1)
+    assert grown.numel() == first.numel() + 1 and not grown.any()
+    assert triton_decode._arrival_counters(device, 1) is grown
+    assert any(old is first for old in triton_decode._RETIRED_COUNTERS)
 
 
 # ---------------------------------------------------------------------------------------------

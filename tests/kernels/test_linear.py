@@ -7,13 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import silu_and_mul_ref
+from kernels.reference import rms_norm_ref, silu_and_mul_ref
 from kernels.triton_linear import (
     DISPATCH_MAX_ROWS,
     GEMV_MAX_ROWS,
     gemv,
     gemv_block_n,
     pick_split_k,
+    rms_norm_gemv,
     skinny_linear,
     use_gemv,
     use_skinny,
@@ -114,3 +115,22 @@ def test_gemv_dispatch_and_tiling():
     # Qwen3-0.6B on 132 SMs: every SM gets a program
     assert gemv_block_n(1024, 132) == 4 and gemv_block_n(4096, 132) == 16 and gemv_block_n(6144, 132) == 16
     assert gemv_block_n(40, 132) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 33, 96)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_gemv_is_norm_then_linear(device, dtype, m, n, k, with_residual):
+    """linear(RMSNorm(x + residual)) and the new residual in one launch: the new residual is
+    exactly the separate norm's, the output the two-step one up to the sum's order."""
+    gen = torch.Generator().manual_seed(7 * m + n + k)
+    wide = torch.randn((m, k + 8), generator=gen).to(device, dtype)
+    x = wide[:, 8:]  # strided rows
+    residual = torch.randn((m, k), generator=gen).to(device, dtype) if with_residual else None
+    norm_w = (1 + 0.2 * torch.randn((k,), generator=gen)).to(device, dtype)
+    w = (torch.randn((n, k), generator=gen) / k**0.5).to(device, dtype)
+    b = torch.randn((n,), generator=gen).to(device, dtype)
+    normed, new_residual = rms_norm_ref(x, norm_w, 1e-6, residual)
+    out, got_residual = rms_norm_gemv(x, residual, norm_w, 1e-6, w, b)
+    assert torch.equal(got_residual, new_residual)
+    check(out, F.linear(normed.float(), w.float(), b.float()).to(dtype))
