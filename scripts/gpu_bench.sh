@@ -8,6 +8,7 @@
 #   c: kernel tables (decode, prefill, baselines), skinny linear vs cuBLAS, prefix caching with
 #      synchronous scheduling, swap vs recompute, service mode with the pipelined scheduler
 #   p: a quick look: GPU tests, parity, batch-1 profile and latency, throughput embedded and pipelined service
+#   q: after kernel changes: GPU numerics, parity, batch-1 profile + latency, projections, headline
 #   d: transformers' continuous batching on the headline workload (BENCHMARKS.md: ~618 tok/s)
 set -uo pipefail
 out="${1:-bench/results}"
@@ -47,6 +48,15 @@ if has p; then  # a first look after changes: tests, parity, where batch-1 time 
   TAIL=40 run profile-b1 90 python bench/profile_gpu.py --batch 1 --context 512 --temperature 0 --rows 30 --skip-eager
   run throughput 150 python bench/throughput.py --repeats 2
   run throughput-service-pipelined 200 python bench/throughput.py --mode service --service-pipelined
+fi
+if has q; then  # after kernel changes: numerics on the GPU, parity, batch-1 latency, projections, headline
+  run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
+  run gpu-kernel-numerics 90 python -m pytest -q -x tests/kernels/test_linear.py tests/kernels/test_fused.py -k "gemv or store or skinny"
+  run parity 120 python bench/parity.py
+  TAIL=36 run latency-profile 90 python bench/latency.py --profile
+  run latency 90 python bench/latency.py --out "$out/latency_h200.md"
+  TAIL=30 run linear 90 python bench/linear.py --rows 1,2,4,8 --out "$out/linear_h200.md"
+  run throughput 150 python bench/throughput.py --repeats 3 --out "$out/throughput_h200.md"
 fi
 if has d; then
   run throughput-hf-peer 500 python bench/throughput.py --peer hf --out "$out/throughput_h200_hf_peer.md"
