@@ -1,7 +1,7 @@
-"""The Triton small-batch projections (kernels.triton_linear: `gemv`, and the tensor-core
-`skinny_linear`) vs cuBLAS (F.linear) on Qwen3-0.6B's projections at decode batch sizes: time
-per call inside a CUDA graph (as the decode step runs them), weight bytes over time, and that
-as a fraction of the copy bandwidth measured in the same run.
+"""The Triton small-batch projection (kernels.triton_linear.gemv) vs cuBLAS (F.linear) on
+Qwen3-0.6B's projections at decode batch sizes: time per call inside a CUDA graph (as the
+decode step runs them), weight bytes over time, and that as a fraction of the copy bandwidth
+measured in the same run.
 
 Weights come from HBM, as in the model (28 layers of them do not fit in L2): each call of a
 graph reads another copy of the weight, with copies enough to span 256 MB.
@@ -55,7 +55,7 @@ def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main() -> None:
-    from kernels.triton_linear import gemv, skinny_linear
+    from kernels.triton_linear import GEMV_MAX_ROWS, gemv
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8")
@@ -66,8 +66,8 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
     lines = [
-        "| projection | N x K | rows | cuBLAS us | skinny us | gemv us | gemv TB/s | gemv % of copy | cuBLAS / gemv | max ulp diff (gemv) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| projection | N x K | rows | cuBLAS us | gemv us | gemv TB/s | gemv % of copy | cuBLAS / gemv | max ulp diff (gemv) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     total = {}
     for name, (n, k) in SHAPES.items():
@@ -77,26 +77,24 @@ def main() -> None:
             x = torch.randn((m, k), device=dev, dtype=torch.bfloat16, generator=gen)
             ref = F.linear(x, ws[0])
             cublas = graph_us(lambda i: F.linear(x, ws[i]), copies)
-            skinny = graph_us(lambda i: skinny_linear(x, ws[i]), copies) if m <= 16 else float("nan")
-            if m <= 4:
+            if m <= GEMV_MAX_ROWS:
                 g_ulps = ulps(gemv(x, ws[0]), ref)
                 g = graph_us(lambda i: gemv(x, ws[i]), copies)
             else:
                 g_ulps, g = float("nan"), float("nan")
             tbs = n * k * 2 / g / 1e6
-            lines.append(f"| {name} | {n} x {k} | {m} | {cublas:.1f} | {skinny:.1f} | {g:.1f} | {tbs:.2f} | {tbs * 1e12 / bw:.0%} | {cublas / g:.2f}x | {g_ulps:.1f} |")
-            t = total.setdefault(m, [0.0, 0.0, 0.0])
+            lines.append(f"| {name} | {n} x {k} | {m} | {cublas:.1f} | {g:.1f} | {tbs:.2f} | {tbs * 1e12 / bw:.0%} | {cublas / g:.2f}x | {g_ulps:.1f} |")
+            t = total.setdefault(m, [0.0, 0.0])
             per_step = 1 if name == "lm_head" else 28  # layers of Qwen3-0.6B
             t[0] += cublas * per_step
-            t[1] += skinny * per_step
-            t[2] += g * per_step
+            t[1] += g * per_step
         del ws
     lines += ["", f"copy bandwidth {bw / 1e12:.2f} TB/s (read + written)", "",
               "Per decode step (28 layers + lm_head), projections only:"]
-    lines += [f"- {m} rows: cuBLAS {c / 1e3:.3f} ms, skinny {s / 1e3:.3f} ms, gemv {g / 1e3:.3f} ms" for m, (c, s, g) in total.items()]
+    lines += [f"- {m} rows: cuBLAS {c / 1e3:.3f} ms, gemv {g / 1e3:.3f} ms" for m, (c, g) in total.items()]
     print("\n".join(lines))
     if args.out:
-        write_result(args.out, "Small-batch projections: gemv and skinny vs cuBLAS (weights from HBM)", env, "\n".join(lines))
+        write_result(args.out, "Small-batch projections: gemv vs cuBLAS (weights from HBM)", env, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
-"""Skinny linear layer in Triton: y = x @ W^T (+ bias) for a handful of rows (decode at small
-batch), where the whole cost is reading W once.
+"""Projections of a few rows in Triton (decode at small batch): y = x @ W^T (+ bias), where
+the whole cost is reading W once.
 
-cuBLAS picks tile shapes made for large M; at M = 1 on the H200 its kernels for Qwen3-0.6B's
-projections with an output narrower than the input (o_proj, down_proj) read the weights at
-0.3-1 TB/s (bench/results/linear_h200.md). Here every program owns
-BLOCK_N output columns for all (at most 16) rows, streams its BLOCK_N weight rows through a
-deep pipeline, and multiplies on the tensor cores with the rows padded to 16. When N alone gives
-too few programs to keep every SM loading, K is split across programs too; their fp32 partial
-sums are added by a second small kernel, which also rounds to the output dtype.
+cuBLAS picks tile shapes made for large M; at one row on the H200, with the weights coming
+from HBM as they do in the model, its kernels for Qwen3-0.6B's projections read them at
+0.3-1.7 TB/s (o_proj 13 us for 4 MB; bench/results/linear_h200.md). `gemv` gives each program
+a few output columns over the whole of K, issues all of the program's weight loads at once,
+and multiplies on the CUDA cores: at one row the time is one round of memory latency plus the
+bytes, and no program waits on another (no split K, no second kernel). Two variants fold the
+elementwise kernel before a projection into it: SiLU-and-mul before down_proj, and the
+decoder layer's residual add + RMSNorm before q|k|v and gate|up (`rms_norm_gemv`).
 
-Contract: `skinny_linear(x, weight, bias)` equals `torch.nn.functional.linear(x, weight, bias)`
-(fp32 accumulation, one rounding at the end) for x with at most MAX_ROWS rows.
+Contract: `gemv(x, weight, bias)` equals `torch.nn.functional.linear(x, weight, bias)` (fp32
+accumulation, one rounding at the end) for one to GEMV_MAX_ROWS rows; the fused variants equal
+kernels.triton_fused's kernel followed by it.
 """
 
 from __future__ import annotations
@@ -19,115 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import cdiv, fix_bf16_rounding, interpreting, mma, next_pow2, num_sms, round_to, upcast_dot
-
-MAX_ROWS = 16  # one tensor-core tile of rows
-DISPATCH_MAX_ROWS = 4  # where it beats cuBLAS on the H200 (bench/results/linear_h200.md)
-PROGRAMS_PER_SM = 2
-
-
-@triton.jit(do_not_specialize=["M", "k_chunk"])
-def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
-    M, N, K, k_chunk,
-    stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, FIX_BF16: tl.constexpr,
-):  # fmt: skip
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    k_start = split * k_chunk
-    k_end = tl.minimum(k_start + k_chunk, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < k_end
-        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
-        acc += mma(x, tl.trans(w), "tf32", UPCAST)
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        out = round_to(acc, out_ptr.dtype.element_ty, FIX_BF16)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
-    else:
-        part = part_ptr + (split * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-        tl.store(part, acc, mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit(do_not_specialize=["M", "num_splits"])
-def _sum_splits_kernel(
-    part_ptr, b_ptr, out_ptr, M, N, num_splits, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, FIX_BF16: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(1)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(num_splits):
-        acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs, round_to(acc, out_ptr.dtype.element_ty, FIX_BF16), mask=mask)
-
-
-def pick_split_k(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
-    """Split K so that the grid has about PROGRAMS_PER_SM programs per SM, each with at least
-    two BLOCK_K steps of K (shorter chunks only add partial sums)."""
-    programs = cdiv(n, block_n)
-    want = max(1, round(PROGRAMS_PER_SM * sms / programs))
-    return max(1, min(want, k // (2 * block_k)))
-
-
-def skinny_linear(
-    x: torch.Tensor,  # (M, K), M <= MAX_ROWS, unit stride along K
-    weight: torch.Tensor,  # (N, K), unit stride along K
-    bias: torch.Tensor | None = None,  # (N,)
-    split_k: int | None = None,
-) -> torch.Tensor:  # (M, N), dtype of x
-    m, k = x.shape
-    n = weight.shape[0]
-    assert m <= MAX_ROWS and weight.shape[1] == k, (x.shape, weight.shape)
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    block_n, block_k = (16, 32) if interpreting() else (16, 256)
-    if split_k is None:
-        split_k = pick_split_k(n, k, block_n, block_k, num_sms(x.device))
-    k_chunk = cdiv(cdiv(k, split_k), block_k) * block_k
-    split_k = cdiv(k, k_chunk)
-    direct = split_k == 1
-    part = out if direct else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    has_bias = bias is not None
-    fix = fix_bf16_rounding(x.dtype)
-    _skinny_kernel[(cdiv(n, block_n), split_k)](
-        x, weight, bias if has_bias else weight, out, part,
-        m, n, k, k_chunk,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=has_bias, DIRECT=direct,
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=upcast_dot(x.dtype), FIX_BF16=fix,
-        num_warps=4, num_stages=1 if interpreting() else 4,
-    )  # fmt: skip
-    if not direct:
-        block = 1024
-        _sum_splits_kernel[(cdiv(n, block), m)](
-            part, bias if has_bias else part, out, m, n, split_k, out.stride(0),
-            HAS_BIAS=has_bias, BLOCK=block, FIX_BF16=fix, num_warps=4,
-        )  # fmt: skip
-    return out
-
-
-# ---- gemv: one to four rows, no tensor cores, no second launch ----
+from kernels.triton_common import cdiv, fix_bf16_rounding, interpreting, next_pow2, num_sms, round_to
 
 GEMV_MAX_ROWS = 4
 GEMV_WARPS = 8
@@ -282,32 +176,17 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The decode projections at batch 1 to 4: 16-bit x of at most GEMV_MAX_ROWS rows with
-    unit strides (any N up to 32768; the vocabulary-sized logits product stays with cuBLAS).
-    fp32 (exact tests), prefill and larger batches keep cuBLAS."""
-    n, _ = weight.shape
-    return (
-        x.dim() == 2
-        and x.shape[0] <= GEMV_MAX_ROWS
-        and n <= 32768
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
-    )
-
-
-def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Where the Triton path wins, measured on the H200 in CUDA graphs: 16-bit inputs of at
-    most DISPATCH_MAX_ROWS rows into an output narrower than the input (Qwen3-0.6B's o_proj:
-    5.1 vs 12.4 us at one row; down_proj 5.7 vs 6.1 us). cuBLAS keeps the wide ones (q|k|v,
-    gate|up, the logits: 3.7-5.0 us and 78 us, at 55-95 % of the copy bandwidth), fp32 (exact
-    tests), prefill and larger batches."""
+    """Where gemv beats cuBLAS on the H200 with weights from HBM (bench/results/linear_h200.md):
+    every projection at one row (Qwen3-0.6B: o 3.3 vs 13.0 us, down 4.8 vs 7.4, q|k|v 4.3 vs
+    4.9, gate|up 5.3 vs 6.0), and the ones into a narrower output (o, down) up to
+    GEMV_MAX_ROWS rows. cuBLAS keeps q|k|v and gate|up from two rows, the vocabulary-sized
+    logits product, fp32 (exact tests), prefill and larger batches."""
+    m = x.shape[0] if x.dim() == 2 else 0
     n, k = weight.shape
     return (
         x.dim() == 2
-        and x.shape[0] <= DISPATCH_MAX_ROWS
-        and n < k
+        and (m == 1 or (m <= GEMV_MAX_ROWS and n < k))
+        and n <= 32768
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(-1) == 1

@@ -101,6 +101,16 @@ class BlockPool:
         self.hash_to_block[block_hash] = block_id
         return True
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (they become free); returns how many. Used blocks keep
+        their hashes: they are live, and become cached as usual when released."""
+        num = len(self.lru)
+        for block_id in self.lru:
+            self._drop_hash(self.blocks[block_id])
+            self.free_ids.append(block_id)
+        self.lru.clear()
+        return num
+
     def _drop_hash(self, block: Block) -> None:
         if block.block_hash is not None:
             del self.hash_to_block[block.block_hash]

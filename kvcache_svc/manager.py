@@ -240,5 +240,10 @@ class KVCacheManager:
                         referenced[block_id] = referenced.get(block_id, 0) + 1
             pool.check(referenced)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached (unreferenced) block of both pools from the prefix index, as
+        vLLM's reset_prefix_cache does between benchmark runs; returns the number dropped."""
+        return sum(pool.reset_prefix_cache() for pool in self.pools.values())
+
     def all_free_or_cached(self) -> bool:
         return not self.seqs and all(pool.num_used_blocks == 0 for pool in self.pools.values())

@@ -139,11 +139,8 @@ class SiluAndMul(nn.Module):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: ModuleType | None) -> torch.Tensor:
     """F.linear, or a Triton kernel for a few 16-bit rows (decode at small batch)."""
-    if skinny is not None:
-        if skinny.use_gemv(x, weight):
-            return skinny.gemv(x, weight, bias)
-        if skinny.use_skinny(x, weight):
-            return skinny.skinny_linear(x, weight, bias)
+    if skinny is not None and skinny.use_gemv(x, weight):
+        return skinny.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

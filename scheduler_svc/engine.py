@@ -142,6 +142,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None or self._next is not None
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's unreferenced blocks (benchmarks: a cold start for every
+        run); returns how many were dropped."""
+        return self.scheduler.kv.reset_prefix_cache()
+
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         if self.async_scheduling:

@@ -273,9 +273,9 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
     sims = {name: PagedSim(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                            num_blocks=16, block_size=8, dtype=dtype, device=str(device)) for name in models}
     layers = config.num_hidden_layers
-    # a prefill and a decode through the cache (K/V stored by the fused kernel, no separate
-    # store), then a profiling forward without one (q/k rotated, K/V used directly)
-    steps = [([(0, list(range(5, 16))), (1, [7, 8, 9])], True), ([(0, [3]), (1, [4])], True),
+    # a prefill and decodes of two rows and one through the cache (K/V stored by the fused
+    # kernel, no separate store), then a profiling forward without one (q/k rotated, K/V used directly)
+    steps = [([(0, list(range(5, 16))), (1, [7, 8, 9])], True), ([(0, [3]), (1, [4])], True), ([(1, [5])], True),
              ([(2, [1, 2, 3, 4])], False)]
     for new_tokens, with_cache in steps:
         hidden = {}
@@ -283,10 +283,19 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
             ids, positions, attn = sims[name].step(new_tokens)
             hidden[name] = model(ids, positions, sims[name].kv_caches if with_cache else None, attn)
         fused_rope = {"qk_norm_rope_store": layers, "qk_norm_rope": 0} if with_cache else {"qk_norm_rope": layers}
-        if dtype != torch.float32 and len(ids) <= triton_linear.GEMV_MAX_ROWS:
-            # 16-bit decode-sized batches: o and down by gemv (SiLU-and-mul inside down's), q|k|v
-            # and gate|up by gemv with the layer's two norms inside; only the final norm is alone
+        rows = len(ids)
+        if dtype != torch.float32 and rows == 1:
+            # 16-bit, one row: o and down by gemv (SiLU-and-mul inside down's), q|k|v and gate|up
+            # by gemv with the layer's two norms inside; only the final norm is alone
             projections = {"gemv": 2 * layers, "rms_norm_gemv": 2 * layers, "silu_and_mul": 0, "rms_norm": 1}
+        elif dtype != torch.float32 and rows <= triton_linear.GEMV_MAX_ROWS:
+            # up to four rows: o and down by gemv where they narrow (use_gemv's rule), the norms,
+            # q|k|v and gate|up as at any batch
+            layer0 = models["triton"].model.layers[0]
+            narrows = [triton_linear.use_gemv(torch.zeros((rows, w.shape[1]), dtype=dtype), w)
+                       for w in (layer0.self_attn.o_proj.weight, layer0.mlp.down_proj.weight)]
+            projections = {"gemv": sum(narrows) * layers, "rms_norm_gemv": 0,
+                           "silu_and_mul": 0 if narrows[1] else layers, "rms_norm": 2 * layers + 1}
         else:
             projections = {"gemv": 0, "rms_norm_gemv": 0, "silu_and_mul": layers, "rms_norm": 2 * layers + 1}
         assert calls == {**dict.fromkeys(calls, 0), **projections, **fused_rope}

@@ -656,3 +656,21 @@ def test_collision_with_different_parent_is_not_reused(monkeypatch):
     hit = mgr.match_prefix([1, 2, 3, 4, 1, 2, 3, 4, 5])
     # Positions 4..7 have other keys/values than positions 0..3: only the first block may hit.
     assert hit.block_ids == a.block_ids[:1]
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only():
+    mgr = make()
+    prompt = list(range(10))
+    run_prompt(mgr, "a", prompt)
+    mgr.free("a")  # its two full blocks stay cached
+    live = run_prompt(mgr, "b", list(range(50, 59)))  # in use: keeps its hashes
+    assert mgr.match_prefix(prompt + [0]).block_ids
+    free_before = mgr.num_free_blocks()
+    assert mgr.reset_prefix_cache() == 2
+    assert not mgr.match_prefix(prompt + [0]).block_ids  # a cold cache: no hit
+    assert mgr.num_free_blocks() == free_before  # cached blocks were already allocatable
+    assert mgr.device.blocks[live.block_ids[0]].block_hash is not None
+    mgr.check_invariants()
+    res = mgr.allocate("c", prompt, len(prompt))
+    assert res.num_cached_tokens == 0
+    mgr.check_invariants()
