@@ -173,9 +173,10 @@ class ModelRunner:
         with self._state_lock:
             for s in inp.seqs:
                 self._update_seq(s)
-        input_ids, positions, meta, sample_rows = self._prepare(inp.seqs)
+        seqs = _longest_first(inp.seqs)
+        input_ids, positions, meta, sample_rows = self._prepare(seqs)
         if inp.num_steps > 1:
-            return self._multi_step(inp, input_ids, positions, meta)
+            return self._multi_step(inp.num_steps, seqs, input_ids, positions, meta)
         hidden = self._forward(input_ids, positions, meta)
         if not sample_rows:
             return LaunchedStep(self, [], None)
@@ -227,28 +228,28 @@ class ModelRunner:
             return self.graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.pools.layer_caches, meta)
 
-    def _multi_step(self, inp: StepInput, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> "LaunchedStep":
+    def _multi_step(self, num_steps: int, seqs: list[SeqStep], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> "LaunchedStep":
         """num_steps decode steps back to back: each feeds the tokens the previous one sampled,
         with positions, slots and lengths advanced on the device; one host sync at the end.
         The scheduler has reserved the blocks of every sub-step."""
-        if not meta.is_decode or not all(s.sample for s in inp.seqs):
+        if not meta.is_decode or not all(s.sample for s in seqs):
             raise ValueError("multi-step runs only decode-only batches that sample every sequence")
-        batch = self._sampling_batch([self.seqs[s.seq_id] for s in inp.seqs])  # no penalties here (single-step rows)
+        batch = self._sampling_batch([self.seqs[s.seq_id] for s in seqs])  # no penalties here (single-step rows)
         bs = self.block_size
         sampled = []
-        for k in range(inp.num_steps):
+        for k in range(num_steps):
             hidden = self._forward(input_ids, positions, meta)
             input_ids = self.sampler(self.model.compute_logits(hidden), batch).token_ids  # (B,)
             sampled.append(input_ids)
-            if k + 1 < inp.num_steps:
+            if k + 1 < num_steps:
                 positions = positions + 1
                 block = meta.block_tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1).long()
                 meta = AttentionMetadata(
                     slot_mapping=block * bs + positions % bs, block_tables=meta.block_tables, seq_lens=meta.seq_lens + 1,
                     cu_seqlens_q=meta.cu_seqlens_q, is_decode=True,
                 )
-        self._remember_sampled(inp.seqs, input_ids)
-        return LaunchedStep(self, inp.seqs, torch.stack(sampled, dim=1))  # (B, num_steps)
+        self._remember_sampled(seqs, input_ids)
+        return LaunchedStep(self, seqs, torch.stack(sampled, dim=1))  # (B, num_steps)
 
     def _update_seq(self, s: SeqStep) -> None:
         state = self.seqs.get(s.seq_id)
@@ -317,6 +318,17 @@ class ModelRunner:
         )
         ids_dev, pos_dev = packed_dev[:t], packed_dev[t : 2 * t]
         return ids_dev, pos_dev, meta, sample_rows
+
+
+def _longest_first(seqs: list[SeqStep]) -> list[SeqStep]:
+    """A decode batch ordered by context length, longest first (stable). The decode kernel's
+    programs start in batch order and each takes time in proportion to its sequence's length;
+    started longest first, the short ones fill in at the end instead of one long sequence
+    running alone (longest-processing-time-first list scheduling). Results are matched to
+    sequences by id, so the order is the runner's own business. Other batches keep theirs."""
+    if len(seqs) < 2 or any(len(s.token_ids) != 1 for s in seqs):
+        return seqs
+    return sorted(seqs, key=lambda s: -s.start_pos)
 
 
 class LaunchedStep:
