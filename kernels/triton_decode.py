@@ -178,17 +178,21 @@ def _decode_split_kernel(
         # Every thread's partial stores complete before the barrier; one thread then takes a
         # ticket with a gpu-scope acq_rel atomic, which releases them to the program that
         # arrives last and, in that program, acquires everyone else's (each ticket is both).
-        tl.debug_barrier()
-        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == num_splits - 1:
-            _combine_group(
-                part_out_ptr, part_lse_ptr,
-                (seq.to(tl.int64) * num_q_heads + kv_head * GROUP) * num_splits, num_splits, num_used,
-                out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP).to(tl.int64) * stride_oh, stride_oh,
-                GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_S, FIX_BF16,
-            )
-            tl.store(counter, 0)  # all num_splits tickets are taken: ready for the next launch
+        # Only the splits that hold keys take one (split 0 alone for seq_len 0, to write the
+        # zeros): an empty split (a sequence shorter than the graph's width allows) just ends.
+        arrivals = tl.maximum(num_used, 1)
+        if split < arrivals:
+            tl.debug_barrier()
+            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == arrivals - 1:
+                _combine_group(
+                    part_out_ptr, part_lse_ptr,
+                    (seq.to(tl.int64) * num_q_heads + kv_head * GROUP) * num_splits, num_splits, num_used,
+                    out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP).to(tl.int64) * stride_oh, stride_oh,
+                    GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_S, FIX_BF16,
+                )
+                tl.store(counter, 0)  # every ticket is taken: ready for the next launch
 
 
 @triton.jit
