@@ -14,6 +14,12 @@ service's state (the model may have written blocks the service holds as cached p
 
 Transports: `InProcessTransport` (a KVCacheService in this process) and `GrpcTransport`.
 Embedded mode uses KVCacheManager directly and records nothing.
+
+Per step the client's cost grows with the batch (one AppendSlots op per running sequence),
+so the hot path avoids per-op work where it can: the gRPC transport builds the request and
+checks the answer on its sender thread, while the engine waits for the model, and checks
+it on the wire form (the answer serialized as the local results would be: equal bytes,
+equal results), decoding it only when the bytes differ.
 """
 
 from __future__ import annotations
@@ -54,8 +60,10 @@ class KVOutOfSync(FailedPrecondition):
 class KVTransport(Protocol):
     def apply_step(self, step: int, ops: list[Op], retry_until: float, timeout: float) -> list[OpResult]: ...
 
-    def start_apply_step(self, step: int, ops: list[Op], timeout: float) -> Callable[[float], list[OpResult]]:
-        """Send now; the returned function (given the retry deadline) waits for the answer."""
+    def start_apply_step(self, step: int, ops: list[Op], timeout: float,
+                         expected: list[OpResult] | None = None) -> Callable[[float], list[OpResult] | None]:
+        """Send now; the returned function (given the retry deadline) waits for the answer:
+        the results, or None when the transport has already found them equal to `expected`."""
         ...
 
     def get_state(self, retry_until: float, timeout: float) -> KVState: ...
@@ -86,15 +94,30 @@ class KVClient:
 
     def __getattr__(self, name: str) -> Any:
         # Reads (seqs, block_table, num_free_blocks, device, ...) go to the local copy.
+        return getattr(self._local(name), name)
+
+    def _local(self, name: str) -> KVCacheManager:
         manager = self.__dict__.get("_manager")
         if manager is None:
             raise AttributeError(f"KVClient has no pools yet (reading {name!r}); call connect() first")
-        return getattr(manager, name)
+        return manager
 
     @property
     def manager(self) -> KVCacheManager:
         assert self._manager is not None, "connect() first"
         return self._manager
+
+    # The reads the scheduler makes per sequence and step, forwarded without the __getattr__
+    # fallback (which costs a failed lookup first).
+    @property
+    def seqs(self) -> dict:
+        return self._local("seqs").seqs
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self._local("block_table").block_table(seq_id)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return self._local("num_blocks_for").num_blocks_for(num_tokens)
 
     # ----------------------------------------------------------------- recorded ops
     def _record(self, op: Op, expected: OpResult) -> None:
@@ -110,18 +133,23 @@ class KVClient:
         return result
 
     def append_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> Appended | NoFreeBlocks:
+        # Called for every running sequence every step: _record inlined.
         result = self.manager.append_slots(seq_id, num_computed_tokens, num_new_tokens)
         if not isinstance(result, NoFreeBlocks):
-            self._record(AppendSlotsOp(seq_id, num_computed_tokens, num_new_tokens), result)
+            self._ops.append(AppendSlotsOp(seq_id, num_computed_tokens, num_new_tokens))
+            self._expected.append(result)
         return result
 
     def cache_blocks(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
-        seq = self.manager.seqs[seq_id]
+        manager = self.manager
+        seq = manager.seqs[seq_id]
         before = seq.num_hashed_blocks
-        self.manager.cache_blocks(seq_id, token_ids, num_computed_tokens)
+        bs = manager.block_size
+        if num_computed_tokens // bs <= before:  # no block became full: the manager would change nothing
+            return
+        manager.cache_blocks(seq_id, token_ids, num_computed_tokens)
         after = seq.num_hashed_blocks
-        if after != before:  # most decode steps fill no block: nothing to send
-            bs = self.manager.block_size
+        if after != before:  # e.g. no prefix caching, or swapped out: nothing to send
             self._record(CacheBlocksOp(seq_id, before * bs, list(token_ids[before * bs : after * bs]), num_computed_tokens), None)
 
     def free(self, seq_id: str) -> None:
@@ -173,17 +201,19 @@ class KVClient:
     def start_commit(self, timeout: float | None = None) -> Callable[[], None]:
         """Send the recorded batch now and return a function that waits for its answer and
         raises what commit() raises. The caller may act on the local answers meanwhile (see
-        the module docstring); it must call the function before the next commit."""
+        the module docstring); it must call the function before the next commit. Ops
+        recorded after this call are not part of it: they go with the next commit (the
+        pipelined engine records step k+1's ops before it waits for step k's answer)."""
         start = time.monotonic()
         sent = None
         if not self._needs_resync:
             self._seal()
             if len(self._batches) == 1:  # the usual case; re-sends of older batches go one by one in _commit
                 batch = self._batches[0]
-                sent = self.transport.start_apply_step(batch.step, batch.ops, self._rpc_timeout(timeout))
+                sent = self.transport.start_apply_step(batch.step, batch.ops, self._rpc_timeout(timeout), batch.expected)
         self.commit_seconds += time.monotonic() - start
         self._unconfirmed = True
-        return lambda: self._commit(timeout, sent)
+        return lambda: self._commit(timeout, sent, seal=False)
 
     def _seal(self) -> None:
         if self._ops:
@@ -194,12 +224,16 @@ class KVClient:
     def _rpc_timeout(self, timeout: float | None) -> float:
         return self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
 
-    def _commit(self, timeout: float | None, sent: Callable[[float], list[OpResult]] | None) -> None:
-        """`sent`: the answer of the first batch, already sent by start_commit()."""
+    def _commit(self, timeout: float | None, sent: Callable[[float], list[OpResult] | None] | None, seal: bool = True) -> None:
+        """`sent`: the answer of the first batch, already sent by start_commit() (None from
+        it: the transport found the results equal to the batch's expected ones). `seal`:
+        send what was recorded meanwhile too (commit()); start_commit()'s wait does not, so
+        it never turns into a blocking call for the next step's ops."""
         if self._needs_resync:  # an earlier resync could not reach the service
             self._resync()
             raise KVOutOfSync("resynced from the service after an earlier mismatch")
-        self._seal()
+        if seal:
+            self._seal()
         resumed = time.monotonic()
         retry_until = resumed + self.retry_window_s  # from now: the model step may have outlasted a window
         timeout = self._rpc_timeout(timeout)
@@ -213,7 +247,7 @@ class KVClient:
                         results = self.transport.apply_step(batch.step, batch.ops, retry_until, timeout)
                 except FailedPrecondition as exc:
                     self._out_of_sync(f"the service refused step {batch.step}: {exc}")
-                if results != batch.expected:
+                if results is not None and results != batch.expected:
                     self._out_of_sync(f"step {batch.step}: the service answered {_first_diff(results, batch.expected)}")
                 self._batches.popleft()
                 self.num_commits += 1
@@ -269,42 +303,87 @@ class InProcessTransport:
         results = self.service.apply_step(step, wire_ops)
         return [convert.result_from_pb(r) for r in convert.step_response(step, results).results]
 
-    def start_apply_step(self, step: int, ops: list[Op], timeout: float) -> Callable[[float], list[OpResult]]:
+    def start_apply_step(self, step: int, ops: list[Op], timeout: float,
+                         expected: list[OpResult] | None = None) -> Callable[[float], list[OpResult] | None]:
         # Applied when the answer is awaited, i.e. after the caller's model step: the order
-        # a slow wire gives, so tests see the engine act on unconfirmed answers.
+        # a slow wire gives, so tests see the engine act on unconfirmed answers. The results
+        # are returned for the client to compare (`expected` is not used).
         return lambda retry_until: self.apply_step(step, ops, retry_until, timeout)
 
     def get_state(self, retry_until: float, timeout: float) -> KVState:
         return convert.state_from_pb(convert.state_to_pb(self.service.get_state()))
 
 
+_SERVICE = pb.DESCRIPTOR.services_by_name["KVCacheService"]
+_APPLY_STEP_PATH = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['ApplyStep'].name}"
+
+
+@dataclass(slots=True)
+class _FirstAttempt:
+    """ApplyStep's first attempt, made on the sender thread: the request (for retries), and
+    the serialized answer or the call's error; `matched`: the answer is the expected one."""
+
+    request: pb.ApplyStepRequest
+    raw: bytes | None = None
+    error: grpc.RpcError | None = None
+    matched: bool = False
+
+    def answer(self) -> bytes:
+        if self.error is not None:
+            raise self.error
+        assert self.raw is not None
+        return self.raw
+
+
+def _results(raw: bytes) -> list[OpResult]:
+    return [convert.result_from_pb(r) for r in pb.ApplyStepResponse.FromString(raw).results]
+
+
 class GrpcTransport:
-    """The KV-cache service over gRPC (a blocking channel: the engine loop runs in a thread)."""
+    """The KV-cache service over gRPC (a blocking channel: the engine loop runs in a thread).
+    ApplyStep's answer is taken serialized (see the module docstring)."""
 
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.KVCacheServiceStub(self.channel)
+        self._apply_step_raw = self.channel.unary_unary(
+            _APPLY_STEP_PATH, request_serializer=pb.ApplyStepRequest.SerializeToString, response_deserializer=None,
+            _registered_method=True)
+        self._what = f"kvcache {address} ApplyStep"
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-apply-step")
 
     def apply_step(self, step: int, ops: list[Op], retry_until: float, timeout: float) -> list[OpResult]:
-        request = convert.step_request(step, ops)
-        resp = call_with_retry(self.stub.ApplyStep, request, retry_until, timeout, f"kvcache {self.address} ApplyStep", KVUnavailable)
-        return [convert.result_from_pb(r) for r in resp.results]
+        raw = call_with_retry(self._apply_step_raw, convert.step_request(step, ops), retry_until, timeout, self._what, KVUnavailable)
+        return _results(raw)
 
-    def start_apply_step(self, step: int, ops: list[Op], timeout: float) -> Callable[[float], list[OpResult]]:
+    def start_apply_step(self, step: int, ops: list[Op], timeout: float,
+                         expected: list[OpResult] | None = None) -> Callable[[float], list[OpResult] | None]:
         # The first attempt runs on a long-lived sender thread while the caller runs the
         # model step; a failed one is retried when awaited. Not a gRPC `.future()`: that
         # measured ~1 ms to issue on the CPU (a thread start per call), the hand-off ~0.05 ms.
-        request = convert.step_request(step, ops)
-        sent = self._sender.submit(self.stub.ApplyStep, request, timeout=timeout)
+        job = self._sender.submit(self._first_attempt, step, ops, timeout, expected)
 
-        def wait(retry_until: float) -> list[OpResult]:
-            resp = call_with_retry(self.stub.ApplyStep, request, retry_until, timeout, f"kvcache {self.address} ApplyStep",
-                                   KVUnavailable, sent)
-            return [convert.result_from_pb(r) for r in resp.results]
+        def wait(retry_until: float) -> list[OpResult] | None:
+            first = job.result()
+            raw = call_with_retry(self._apply_step_raw, first.request, retry_until, timeout, self._what, KVUnavailable, first.answer)
+            if first.matched and raw is first.raw:
+                return None
+            return _results(raw)
 
         return wait
+
+    def _first_attempt(self, step: int, ops: list[Op], timeout: float, expected: list[OpResult] | None) -> _FirstAttempt:
+        """On the sender thread: build and send the request; compare the answer with what the
+        expected results serialize to (the service builds its answer the same way)."""
+        first = _FirstAttempt(convert.step_request(step, ops))
+        try:
+            first.raw = self._apply_step_raw(first.request, timeout=timeout)
+        except grpc.RpcError as err:
+            first.error = err
+            return first
+        first.matched = expected is not None and first.raw == convert.step_response(step, expected).SerializeToString()
+        return first
 
     def get_state(self, retry_until: float, timeout: float) -> KVState:
         resp = call_with_retry(self.stub.GetState, pb.GetStateRequest(), retry_until, timeout, f"kvcache {self.address} GetState", KVUnavailable)

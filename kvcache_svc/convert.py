@@ -1,10 +1,13 @@
 """picovllm.kvcache.v1 messages <-> the KV-cache domain objects (ops, results, state).
 
 Pure functions, used by the gRPC servicer and client and by the metadata store (which
-persists a step's results as a serialized ApplyStepResponse).
+persists a step's results as a serialized ApplyStepResponse). Repeated scalar fields are
+copied out with `[:]` (a list, about three times faster than `list()`, which iterates).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from kvcache_svc.block_pool import Tier
 from kvcache_svc.manager import Allocated, Appended, NoFreeBlocks
@@ -68,6 +71,20 @@ def step_request(step: int, ops: list[Op]) -> pb.ApplyStepRequest:
     return m
 
 
+def ops_from_pb(ms: Iterable[pb.BlockOp]) -> list[Op]:
+    """op_from_pb over a request's ops; the one op every running sequence sends every step
+    (append_slots) is read inline."""
+    ops: list[Op] = []
+    append = ops.append
+    for m in ms:
+        if m.WhichOneof("op") == "append_slots":
+            a = m.append_slots
+            append(AppendSlotsOp(a.seq_id, a.num_computed_tokens, a.num_new_tokens))
+        else:
+            append(op_from_pb(m))
+    return ops
+
+
 def op_from_pb(m: pb.BlockOp) -> Op:
     kind = m.WhichOneof("op")
     if kind == "append_slots":
@@ -75,10 +92,10 @@ def op_from_pb(m: pb.BlockOp) -> Op:
         return AppendSlotsOp(a.seq_id, a.num_computed_tokens, a.num_new_tokens)
     if kind == "cache_blocks":
         c = m.cache_blocks
-        return CacheBlocksOp(c.seq_id, c.token_offset, list(c.token_ids), c.num_computed_tokens)
+        return CacheBlocksOp(c.seq_id, c.token_offset, c.token_ids[:], c.num_computed_tokens)
     if kind == "allocate":
         a = m.allocate
-        return AllocateOp(a.seq_id, list(a.token_ids), a.num_new_tokens, a.extra_key if a.HasField("extra_key") else None)
+        return AllocateOp(a.seq_id, a.token_ids[:], a.num_new_tokens, a.extra_key if a.HasField("extra_key") else None)
     if kind == "free":
         return FreeOp(m.free.seq_id)
     if kind == "swap_out":
@@ -127,10 +144,10 @@ def result_from_pb(m: pb.OpResult) -> OpResult:
         a = m.appended
         if not (a.new_block_ids or a.replaced_index or a.copies.src):  # most decode steps: nothing to zip
             return Appended([], [], [])
-        return Appended(list(a.new_block_ids), _copies_from_pb(a.copies), list(zip(a.replaced_index, a.replaced_block)))
+        return Appended(a.new_block_ids[:], _copies_from_pb(a.copies), list(zip(a.replaced_index, a.replaced_block)))
     if kind == "allocated":
         a = m.allocated
-        return Allocated(a.num_cached_tokens, a.num_new_tokens, list(a.block_ids))
+        return Allocated(a.num_cached_tokens, a.num_new_tokens, a.block_ids[:])
     if kind == "no_free_blocks":
         n = m.no_free_blocks
         return NoFreeBlocks(n.needed, n.available, tier_from_pb(n.tier))
@@ -159,7 +176,7 @@ def _pool_to_pb(p: PoolSnapshot) -> pb.PoolState:
 def _pool_from_pb(m: pb.PoolState) -> PoolSnapshot:
     blocks = [BlockRecord(b.block_id, b.ref_count, b.block_hash if b.HasField("block_hash") else None,
                           tuple(b.token_ids) if b.HasField("block_hash") else None) for b in m.blocks]
-    return PoolSnapshot(m.num_blocks, blocks, list(m.free_ids), list(m.lru_ids), m.num_evictions)
+    return PoolSnapshot(m.num_blocks, blocks, m.free_ids[:], m.lru_ids[:], m.num_evictions)
 
 
 def state_to_pb(s: KVState) -> pb.KVState:
@@ -177,7 +194,7 @@ def state_to_pb(s: KVState) -> pb.KVState:
 def state_from_pb(m: pb.KVState) -> KVState:
     if not m.HasField("config"):
         return KVState(None, m.step)
-    seqs = [SeqSnapshot(q.seq_id, tier_from_pb(q.tier), list(q.block_ids), q.extra_key if q.HasField("extra_key") else None,
+    seqs = [SeqSnapshot(q.seq_id, tier_from_pb(q.tier), q.block_ids[:], q.extra_key if q.HasField("extra_key") else None,
                         q.num_hashed_blocks, q.last_hash if q.HasField("last_hash") else None) for q in m.seqs]
     return KVState(config_from_pb(m.config), m.step, _pool_from_pb(m.device), _pool_from_pb(m.host), seqs,
                    m.num_prefix_queries, m.num_prefix_hits)

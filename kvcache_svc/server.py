@@ -14,7 +14,7 @@ from kvcache_svc.service import KVCacheService
 from kvcache_svc.store import open_store
 from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
 from protos.picovllm.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from scheduler_svc.rpc import start_server, stop_event
+from scheduler_svc.rpc import freeze_heap, start_server, stop_event
 from scheduler_svc.service_config import KVCacheSection
 
 logger = logging.getLogger(__name__)
@@ -27,8 +27,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.service = service
 
     async def ApplyStep(self, request: pb.ApplyStepRequest, context) -> pb.ApplyStepResponse:
-        ops = [convert.op_from_pb(op) for op in request.ops]
-        results = self.service.apply_step(request.step, ops)
+        results = self.service.apply_step(request.step, convert.ops_from_pb(request.ops))
         return self.service.response(request.step, results)  # the persisted message: not converted twice
 
     async def GetState(self, request: pb.GetStateRequest, context) -> pb.GetStateResponse:
@@ -66,6 +65,7 @@ async def serve(config: KVCacheSection, ready: asyncio.Event | None = None) -> N
                 return await running.server.stop(None)
             except asyncio.TimeoutError:
                 pass
+    freeze_heap()  # start-up is done: full collections would walk it every few dozen steps
     await running.set_serving(True)
     logger.info("kvcache service ready on %s (store: %s)", config.address, service.store.kind)
     if ready is not None:

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 from kvcache_svc import convert
 from kvcache_svc.manager import KVCacheManager
-from kvcache_svc.ops import Op, OpResult, PoolConfig, ResetOp, apply_op, seq_ids_of
+from kvcache_svc.ops import (
+    AppendSlotsOp,
+    Op,
+    OpResult,
+    PoolConfig,
+    ResetOp,
+    apply_op,
+    seq_ids_of,
+)
 from kvcache_svc.state import KVState, export_state, import_state, new_manager
 from kvcache_svc.store import MemoryStore, RedisStore, clear_dirty
 from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
@@ -89,6 +97,10 @@ class KVCacheService:
         try:
             results = []
             for op in ops:
+                if type(op) is AppendSlotsOp:  # one per running sequence per step: dispatched inline
+                    dirty_seqs.add(op.seq_id)
+                    results.append(self.manager.append_slots(op.seq_id, op.num_computed_tokens, op.num_new_tokens))
+                    continue
                 if isinstance(op, ResetOp):
                     self.config, self.manager, full_write = op.config, new_manager(op.config, tracked=True), True
                     results.append(None)

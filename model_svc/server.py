@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from model_svc import convert
-from model_svc.step import StepInput, StepOutput
+from model_svc.step import StepInput
 from protos.picovllm.model.v1 import model_pb2 as pb
 from protos.picovllm.model.v1 import model_pb2_grpc as pb_grpc
 from scheduler_svc.errors import FailedPrecondition, Unavailable
-from scheduler_svc.rpc import start_server, stop_event
+from scheduler_svc.rpc import freeze_heap, start_server, stop_event
 from scheduler_svc.service_config import ModelSection
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,12 @@ def info_to_pb(i: ModelInfo) -> pb.GetInfoResponse:
 class ModelServicer(pb_grpc.ModelServiceServicer):
     """Steps are launched on one thread and read back on another, each in arrival order: a
     scheduler that sends step k+1 before step k's answer (pipelined) gets k+1 queued on the
-    device while k is read back."""
+    device while k is read back.
+
+    One step is one trip through both threads and back to the event loop: the launch thread
+    converts the request and launches, then hands the step straight to the readback thread,
+    which reads it back, builds the answer and wakes the loop once (the loop only receives
+    and sends). A step whose call was cancelled meanwhile is still read back, in order."""
 
     def __init__(self, service: ModelService, executor: ThreadPoolExecutor) -> None:
         self.service = service
@@ -116,14 +121,48 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         self.readback = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-readback")
 
     async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
-        inp = convert.step_from_pb(request)
         loop = asyncio.get_running_loop()
-        launched = await loop.run_in_executor(self.executor, self.service.launch, request.expected_epoch, inp)
-        out = await loop.run_in_executor(self.readback, launched.result)
-        return convert.output_to_pb(out, self.service.epoch)
+        answer = loop.create_future()
+        self.executor.submit(self._launch, request, loop, answer)
+        return await answer
+
+    def _launch(self, request: pb.StepRequest, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
+        """On the launch thread."""
+        try:
+            launched = self.service.launch(request.expected_epoch, convert.step_from_pb(request))
+            self.readback.submit(self._read_back, launched, loop, answer)
+        except BaseException as exc:  # noqa: BLE001 - raised in the handler (the interceptor maps it)
+            _settle(loop, answer, None, exc)
+
+    def _read_back(self, launched: Any, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
+        """On the readback thread."""
+        try:
+            resp = convert.output_to_pb(launched.result(), self.service.epoch)
+        except BaseException as exc:  # noqa: BLE001
+            _settle(loop, answer, None, exc)
+            return
+        _settle(loop, answer, resp, None)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
         return info_to_pb(self.service.info())
+
+
+def _settle(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    """From a worker thread: complete the handler's future on its loop (unless the call was
+    cancelled meanwhile, or the loop is gone: the server is stopping)."""
+
+    def settle() -> None:
+        if answer.done():
+            return
+        if exc is not None:
+            answer.set_exception(exc)
+        else:
+            answer.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop is closed
+        pass
 
 
 async def serve(config: ModelSection, max_num_seqs: int = 256) -> None:
@@ -138,6 +177,7 @@ async def serve(config: ModelSection, max_num_seqs: int = 256) -> None:
     await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
     if load.done():
         load.result()  # a model that fails to load ends the process with the error
+        freeze_heap()  # the model and torch: out of the collector's sight, so no full collection stalls a step
         await running.set_serving(True)
         logger.info("model service ready on %s: epoch %s, %d device / %d host blocks", config.address, service.epoch,
                     service.runner.num_device_blocks, service.runner.num_host_blocks)

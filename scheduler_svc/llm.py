@@ -11,6 +11,7 @@ from typing import Any
 from scheduler_svc.config import BUNDLED_MODEL, EngineConfig
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.outputs import RequestOutput
+from scheduler_svc.rpc import freeze_heap
 from scheduler_svc.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -55,12 +56,14 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, device=device, dtype=dtype, **kwargs,
         )
         self.engine = LLMEngine(self.config)
+        freeze_heap()  # start-up is done: keep full collections off the model, torch and the tokenizer
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
         """Wrap an engine built by hand (a prebuilt model runner, a remote model client)."""
         llm = cls.__new__(cls)
         llm.config, llm.engine = engine.config, engine
+        freeze_heap()
         return llm
 
     def get_tokenizer(self):

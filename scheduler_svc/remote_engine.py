@@ -39,6 +39,7 @@ from model_svc.step import StepInput, StepOutput
 from scheduler_svc.config import EngineConfig
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.outputs import RequestOutput
+from scheduler_svc.rpc import freeze_heap
 from scheduler_svc.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,9 @@ class ServiceEngine(LLMEngine):
         self.num_recoveries = 0
         self.pipelined = config.async_scheduling is True and config.num_scheduler_steps == 1
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-step") if self.pipelined else None
+
+    def reset_prefix_cache(self) -> int:
+        raise NotImplementedError("the KV-cache service owns the prefix index; restart it (or its store) for a cold cache")
 
     def has_unfinished(self) -> bool:
         return super().has_unfinished() or self.kv.has_pending() or self._pending is not None or self._restarted
@@ -290,4 +294,5 @@ def build_service_engine(config: Any, skip_tokenizer_init: bool = False) -> Serv
                 info.num_device_blocks, info.num_host_blocks, config.kvcache.address, "adopted" if adopted else "reset")
     engine = ServiceEngine(engine_config, model, kv, None if skip_tokenizer_init else load_tokenizer(config.tokenizer))
     engine.scheduler.pending_finished.extend(leftover)  # the model service forgets them with the first step
+    freeze_heap()  # start-up is done: full collections would walk torch, gRPC and the tokenizer every few dozen steps
     return engine
