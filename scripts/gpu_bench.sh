@@ -9,6 +9,8 @@
 #      synchronous scheduling, swap vs recompute, service mode with the pipelined scheduler
 #   p: a quick look: GPU tests, parity, batch-1 profile and latency, throughput embedded and pipelined service
 #   q: after kernel changes: GPU numerics, parity, batch-1 profile + latency, projections, headline
+#   f: one call for a session's figures: GPU tests, headline embedded and service (pipelined,
+#      with the parity check), batch-1 latency, swap, prefix
 #   d: transformers' continuous batching on the headline workload (BENCHMARKS.md: ~618 tok/s)
 set -uo pipefail
 out="${1:-bench/results}"
@@ -57,6 +59,15 @@ if has q; then  # after kernel changes: numerics on the GPU, parity, batch-1 lat
   run latency 90 python bench/latency.py --out "$out/latency_h200.md"
   TAIL=30 run linear 90 python bench/linear.py --rows 1,2,4,8 --out "$out/linear_h200.md"
   run throughput 150 python bench/throughput.py --repeats 3 --out "$out/throughput_h200.md"
+fi
+if has f; then  # the figures of one session in one call: tests, then the committed results
+  run gpu-tests 120 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
+  run gpu-kernel-numerics 60 python -m pytest -q -x tests/kernels/test_linear.py tests/kernels/test_fused.py tests/kernels/test_kernels.py -k "gemv or store or decode_last or counters"
+  run throughput 130 python bench/throughput.py --repeats 3 --out "$out/throughput_h200.md"
+  run throughput-service 240 python bench/throughput.py --check --mode service --service-pipelined --out "$out/throughput_h200_service.md"
+  run latency 70 python bench/latency.py --out "$out/latency_h200.md"
+  run swap 90 python bench/swap.py --out "$out/swap_h200.md"
+  run prefix 60 python bench/prefix.py --out "$out/prefix_h200.md"
 fi
 if has d; then
   run throughput-hf-peer 500 python bench/throughput.py --peer hf --out "$out/throughput_h200_hf_peer.md"
