@@ -100,21 +100,66 @@ def hf_row(runner, prompts, params, tok_s: float) -> str:
     return f"| transformers continuous batching | {n} | {seconds:.2f} | {n / seconds:,.0f} | | {n / seconds / tok_s:.1%} of embedded | | |"
 
 
-def timed_generate(llm, prompts, params, device, cold_cache: bool = True) -> tuple[float, int]:
+def timed_generate(llm, prompts, params, device, cold_cache: bool = True, warmup: str = "tiny") -> tuple[float, int, int, int]:
     """Seconds and output tokens of one generate call after a warm-up. cold_cache: start
-    from an empty prefix cache (embedded; the services start cold anyway)."""
+    from an empty prefix cache (embedded; the services start cold anyway). warmup: "tiny" (two
+    short requests: kernels compile on first use) or "workload" (also the workload's prompts
+    with 16 output tokens each: the first full-size prefill and decode batches). Returns seconds,
+    output tokens, engine steps and preemptions of the timed call."""
     from scheduler_svc import SamplingParams
 
     sync = device_sync(device)
-    # warm-up: kernels compile on first use (a prefill of several sequences, decode)
     llm.generate([[1, 2, 3, 4], list(range(5, 40))], SamplingParams(max_tokens=8, ignore_eos=True))
+    if warmup == "workload":
+        short = [SamplingParams(temperature=p.temperature, max_tokens=16, ignore_eos=True) for p in params]
+        llm.generate(prompts, short)
     if cold_cache:  # the workload's prompts, cached by an earlier run, would skip their prefill
         llm.engine.reset_prefix_cache()
     sync()
+    stats = llm.engine.scheduler.stats
+    steps, preemptions = stats.num_steps, stats.num_preemptions
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     sync()
-    return time.perf_counter() - t, sum(len(o.token_ids) for o in outs)
+    seconds = time.perf_counter() - t
+    return seconds, sum(len(o.token_ids) for o in outs), stats.num_steps - steps, stats.num_preemptions - preemptions
+
+
+class RunCounters:
+    """What a run did besides the workload, for telling a slow run from a fast one: device and
+    pinned-host allocator calls, allocator retries (each frees the cache: a device sync),
+    Triton compiles and full garbage collections in this process."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+        try:
+            from triton import knobs
+
+            previous = knobs.runtime.jit_post_compile_hook
+
+            def hook(*args, **kwargs):
+                self.compiles += 1
+                return previous(*args, **kwargs) if previous else None
+
+            knobs.runtime.jit_post_compile_hook = hook
+        except Exception:  # noqa: BLE001 - no Triton, or another version's knobs
+            pass
+
+    def snapshot(self) -> dict[str, int]:
+        import gc
+
+        out = {"triton compiles": self.compiles, "full gc": gc.get_stats()[2]["collections"]}
+        if torch.cuda.is_available():
+            dev = torch.cuda.memory_stats()
+            out.update({"cudaMalloc": dev.get("num_device_alloc", 0), "cudaFree": dev.get("num_device_free", 0),
+                        "alloc retries": dev.get("num_alloc_retries", 0)})
+            host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+            out.update({"cudaHostAlloc": host.get("num_host_alloc", 0), "cudaFreeHost": host.get("num_host_free", 0)})
+        return out
+
+    @staticmethod
+    def delta(before: dict[str, int], after: dict[str, int]) -> str:
+        return ", ".join(f"{k} {after[k] - before[k]}" for k in after)
 
 
 def main() -> None:
@@ -138,6 +183,8 @@ def main() -> None:
                     help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)")
     ap.add_argument("--peer", choices=["hf"], default=None,
                     help="hf: also time transformers' continuous batching on the same weights and workload")
+    ap.add_argument("--warmup", choices=["tiny", "workload"], default="tiny",
+                    help="before each run: two short requests, or also the workload's prompts with 16 output tokens")
     ap.add_argument("--repeats", type=int, default=1, help="time the workload this many times in one process (median reported)")
     ap.add_argument("--check", action="store_true", help="first check greedy parity of the optimized path vs the plain one")
     ap.add_argument("--out", default=None, help="write a markdown result here")
@@ -156,14 +203,14 @@ def main() -> None:
         print("\n".join(parity))
     llm, runner = run_embedded(args)
     bw, fl = copy_bandwidth(dev), matmul_flops(dev)  # before any other process shares the device
-    stats = llm.engine.scheduler.stats
-    steps_before, preemptions_before = stats.num_steps, stats.num_preemptions
-    runs = [timed_generate(llm, prompts, params, dev) for _ in range(max(1, args.repeats))]
-    seconds, num_out = sorted(runs)[len(runs) // 2]
+    counters, runs, run_notes = RunCounters(), [], []
+    for _ in range(max(1, args.repeats)):
+        before = counters.snapshot()
+        runs.append(timed_generate(llm, prompts, params, dev, warmup=args.warmup))
+        run_notes.append(f"- {runs[-1][1] / runs[-1][0]:,.0f} tok/s, {runs[-1][2]} steps; during warm-up and run: {RunCounters.delta(before, counters.snapshot())}")
+    seconds, num_out, embedded_steps, embedded_preemptions = sorted(runs)[len(runs) // 2]  # the median run
     tok_s = num_out / seconds
     overlapped = llm.engine.async_scheduling
-    embedded_steps = (stats.num_steps - steps_before) // len(runs)  # per run (the warm-up's left out)
-    embedded_preemptions = (stats.num_preemptions - preemptions_before) // len(runs)
     num_device_blocks, runner_config, graphs = runner.num_device_blocks, runner.config, runner.graphs is not None
     extra_rows = []
     if args.peer == "hf":
@@ -172,7 +219,7 @@ def main() -> None:
         sync_tok_s = tok_s
         if overlapped:  # the services step synchronously: time embedded that way too, like for like
             llm.engine.async_scheduling = False
-            sync_seconds, sync_out = timed_generate(llm, prompts, params, dev)
+            sync_seconds, sync_out, _, _ = timed_generate(llm, prompts, params, dev, warmup=args.warmup)
             sync_tok_s = sync_out / sync_seconds
             extra_rows.append(f"| embedded, synchronous scheduling | {sync_out} | {sync_seconds:.2f} | {sync_tok_s:,.0f} | | | | |")
         config_path, model = runner.model_path, runner.model
@@ -184,20 +231,21 @@ def main() -> None:
         svc, services = run_service(args, config_path, model if runner.random_weights else None)
         del model
         try:
-            svc_seconds, svc_out = timed_generate(svc, prompts, params, torch.device("cpu"), cold_cache=False)
+            svc_seconds, svc_out, svc_steps, _ = timed_generate(svc, prompts, params, torch.device("cpu"), cold_cache=False, warmup=args.warmup)
         finally:
             services.close()
         svc_tok_s = svc_out / svc_seconds
         ratio = f"{svc_tok_s / sync_tok_s:.1%} of embedded synchronous" + (f", {svc_tok_s / tok_s:.1%} of embedded overlapped" if overlapped else "")
         extra_rows.append(f"| service (3 processes, gRPC{', pipelined' if args.service_pipelined else ''}) | {svc_out} | {svc_seconds:.2f} | {svc_tok_s:,.0f} | | {ratio} | "
-                          f"{svc.engine.scheduler.stats.num_steps} | |")
+                          f"{svc_steps} | |")
     roof = roofline_tok_s(runner_config, [len(p) for p in prompts], [p.max_tokens for p in params], bw, fl) if dev.type == "cuda" else float("nan")
     lines = [
         "| mode | output tokens | seconds | tok/s | roofline tok/s | fraction | steps | preemptions |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         f"| embedded | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | {embedded_steps} | {embedded_preemptions} |",
         *extra_rows,
-        *([f"", f"repeats in one process (tok/s, in order): {', '.join(f'{n / t:,.0f}' for t, n in runs)}"] if len(runs) > 1 else []),
+        *([f"", f"repeats in one process (tok/s, in order): {', '.join(f'{r[1] / r[0]:,.0f}' for r in runs)}"] if len(runs) > 1 else []),
+        "", f"each run ({args.warmup} warm-up before it):", *run_notes,
         "",
         f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s, "
         f"device blocks {num_device_blocks}, kernels {runner.ops.name}, cuda graphs {graphs}, "
