@@ -132,6 +132,7 @@ class RunCounters:
 
     def __init__(self) -> None:
         self.compiles = 0
+        self.compiled: list[str] = []
         try:
             from triton import knobs
 
@@ -139,6 +140,7 @@ class RunCounters:
 
             def hook(*args, **kwargs):
                 self.compiles += 1
+                self.compiled.append(str(kwargs.get("repr", "?"))[:160])
                 return previous(*args, **kwargs) if previous else None
 
             knobs.runtime.jit_post_compile_hook = hook
@@ -208,6 +210,7 @@ def main() -> None:
         before = counters.snapshot()
         runs.append(timed_generate(llm, prompts, params, dev, warmup=args.warmup))
         run_notes.append(f"- {runs[-1][1] / runs[-1][0]:,.0f} tok/s, {runs[-1][2]} steps; during warm-up and run: {RunCounters.delta(before, counters.snapshot())}")
+        run_notes += [f"  - compiled: {name}" for name in counters.compiled[len(counters.compiled) - (counters.compiles - before['triton compiles']):]]
     seconds, num_out, embedded_steps, embedded_preemptions = sorted(runs)[len(runs) // 2]  # the median run
     tok_s = num_out / seconds
     overlapped = llm.engine.async_scheduling
