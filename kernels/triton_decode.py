@@ -97,7 +97,7 @@ def pick_num_splits(
     return max(1, splits)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # eager batches have a per-step table width
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,

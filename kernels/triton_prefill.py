@@ -87,7 +87,10 @@ def _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for every batch
+# One compiled kernel for every batch: the batch size and the block-table width (the longest
+# sequence's block count) change from step to step, and Triton would otherwise compile a new
+# specialization whenever one of them is 1 or a multiple of 16 (a stall of a second or two).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
     scale_log2, num_seqs,

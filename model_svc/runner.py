@@ -103,6 +103,8 @@ class ModelRunner:
 
             width = self.block_tables.table.shape[1]  # blocks of the longest possible sequence
             self.graphs = DecodeGraphs(self.model, self.pools.layer_caches, min(max_num_seqs, 512), width, self.device)
+        if self.device.type == "cuda":
+            self._compile_kernels()
         self.seqs: dict[str, _SeqState] = {}
         logger.info("model runner: %s on %s (%s), kernels=%s, %d device blocks, %d host blocks",
                     type(model).__name__, self.device, self.dtype, self.ops.name, num_device_blocks, num_host_blocks)
@@ -148,6 +150,27 @@ class ModelRunner:
         if num < 16:
             raise RuntimeError(f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after the weights")
         return int(num)
+
+    @torch.inference_mode()
+    def _compile_kernels(self) -> None:
+        """Run once what the decode graphs do not: a paged prefill of two sequences (nothing
+        written: slots -1; they read block 0, whatever it holds) and temperature sampling, so
+        that their Triton kernels compile at start-up, not in the middle of the first requests
+        (a second or two each on a fresh machine)."""
+        n, dev = 32, self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
+            block_tables=torch.zeros((2, 1), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n // 2, n // 2], dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor([0, n // 2, n], dtype=torch.int32, device=dev),
+            is_decode=False,
+        )
+        positions = torch.arange(n // 2, device=dev).repeat(2)
+        hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), positions, self.pools.layer_caches, meta)
+        plain = _ProfileSampling(top_k=0, top_p=1.0, min_p=0.0)  # temperature only: the fused kernel
+        params = [plain, _ProfileSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)]
+        self.sampler(self.model.compute_logits(hidden[:2]), SamplingBatch.build(params, None, None, None, dev))
+        torch.cuda.synchronize(dev)
 
     # ----------------------------------------------------------------- the step
     def step(self, inp: StepInput) -> StepOutput:
