@@ -26,13 +26,10 @@ from model_svc.step import SampledToken, SeqStep, StepInput, StepOutput
 from protos.picovllm.kvcache.v1 import kvcache_pb2_grpc
 from protos.picovllm.model.v1 import model_pb2_grpc
 from scheduler_svc.errors import InvalidArgument, Unavailable
-from scheduler_svc.request import Request
 from scheduler_svc.rpc import start_server
-from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.service_config import ModelSection
 
-from .test_kv_transport import BS, CONFIG, assert_same
+from .test_kv_transport import BS, CONFIG, assert_same, drive
 
 
 class ServerThread:
@@ -107,37 +104,9 @@ def connect(address: str, retry_window_s: float = 1.0) -> KVClient:
 
 
 def drive_overlapped(client: KVClient, steps: int, seed: int) -> None:
-    """A scheduler over the client, each step committed as the engine does (start_commit,
-    then the wait); requests finish by length or are aborted, and finally all freed."""
-    import random
-
-    rng = random.Random(seed)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24, preemption_mode="swap"), client)
-    prefix = [rng.randrange(100) for _ in range(2 * BS)]
-    reqs, n = {}, 0
-    for _ in range(steps):
-        if rng.random() < 0.4 and len(reqs) < 12:
-            prompt = (prefix if rng.random() < 0.5 else []) + [rng.randrange(100) for _ in range(rng.randrange(1, 3 * BS))]
-            req = Request(f"r{n}", prompt, SamplingParams(max_tokens=rng.randrange(1, 20)))
-            n += 1
-            sched.add(req)
-            reqs[req.request_id] = req
-        if reqs and rng.random() < 0.05:
-            sched.finish(reqs.pop(rng.choice(sorted(reqs))), "abort")
-        out = sched.schedule()
-        client.start_commit()()
-        for s in out.scheduled:
-            req = s.request
-            if s.sample and not req.finished:
-                req.num_pending -= 1
-                req.token_ids.append(rng.randrange(100))
-                if req.num_output_tokens >= req.sampling.max_tokens:
-                    sched.finish(req, "length")
-                    reqs.pop(req.request_id, None)
-        sched.update(out)
-    for req in list(reqs.values()):
-        sched.finish(req, "abort")
-    client.start_commit()()
+    """test_kv_transport's scheduler run, each step committed as the engine does (start_commit,
+    then the wait)."""
+    drive(client, steps, seed, "swap", commit=lambda: client.start_commit()())
 
 
 def test_answers_equal_on_the_wire_are_not_decoded(kv_server, decodes):

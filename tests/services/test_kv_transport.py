@@ -47,10 +47,11 @@ def make_client(store=None) -> tuple[KVClient, KVCacheService]:
     return client, service
 
 
-def drive(kv, steps: int, seed: int, preemption_mode: str, after_commit=None) -> tuple[list[str], int]:
+def drive(kv, steps: int, seed: int, preemption_mode: str, after_commit=None, commit=None) -> tuple[list[str], int]:
     """A scheduler over `kv` with a fake model: random prompts (shared prefixes), random
     lengths, random aborts. Returns every step's model input, as text, and the number of
-    preemptions."""
+    preemptions. commit: how a KVClient's step is committed (default `kv.commit()`; the
+    engine's overlapped way is `kv.start_commit()()`)."""
     rng = random.Random(seed)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24, preemption_mode=preemption_mode), kv)
     prefix = [rng.randrange(100) for _ in range(2 * BS)]
@@ -66,7 +67,7 @@ def drive(kv, steps: int, seed: int, preemption_mode: str, after_commit=None) ->
             sched.finish(reqs.pop(rng.choice(sorted(reqs))), "abort")
         out = sched.schedule()
         if isinstance(kv, KVClient):
-            kv.commit()
+            (commit or kv.commit)()
             if after_commit:
                 after_commit()
         log.append(repr(out.step))
@@ -82,7 +83,7 @@ def drive(kv, steps: int, seed: int, preemption_mode: str, after_commit=None) ->
     for req in list(reqs.values()):
         sched.finish(req, "abort")
     if isinstance(kv, KVClient):
-        kv.commit()
+        (commit or kv.commit)()
     assert kv.all_free_or_cached()
     return log, sched.stats.num_preemptions
 
