@@ -76,10 +76,10 @@ def main() -> None:
         for m in [int(r) for r in args.rows.split(",")]:
             x = torch.randn((m, k), device=dev, dtype=torch.bfloat16, generator=gen)
             ref = F.linear(x, ws[0])
-            cublas = graph_us(lambda i: F.linear(x, ws[i]), copies)
+            cublas = graph_us(lambda i, x=x, ws=ws: F.linear(x, ws[i]), copies)
             if m <= GEMV_MAX_ROWS:
                 g_ulps = ulps(gemv(x, ws[0]), ref)
-                g = graph_us(lambda i: gemv(x, ws[i]), copies)
+                g = graph_us(lambda i, x=x, ws=ws: gemv(x, ws[i]), copies)
             else:
                 g_ulps, g = float("nan"), float("nan")
             tbs = n * k * 2 / g / 1e6
