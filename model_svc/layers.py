@@ -43,7 +43,7 @@ def fused_kernels(ops: KernelOps | None) -> ModuleType | None:
     return triton_module(ops, "triton_fused")
 
 
-def skinny_kernels(ops: KernelOps | None) -> ModuleType | None:
+def gemv_kernels(ops: KernelOps | None) -> ModuleType | None:
     """kernels.triton_linear (projections of a few rows) or None."""
     return triton_module(ops, "triton_linear")
 
@@ -137,10 +137,10 @@ class SiluAndMul(nn.Module):
         return silu_and_mul_ref(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: ModuleType | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_ops: ModuleType | None) -> torch.Tensor:
     """F.linear, or a Triton kernel for a few 16-bit rows (decode at small batch)."""
-    if skinny is not None and skinny.use_gemv(x, weight):
-        return skinny.gemv(x, weight, bias)
+    if gemv_ops is not None and gemv_ops.use_gemv(x, weight):
+        return gemv_ops.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -149,10 +149,10 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, ops: KernelOps | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.skinny = skinny_kernels(ops)
+        self.gemv_ops = gemv_kernels(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.skinny)
+        return linear(x, self.weight, self.bias, self.gemv_ops)
 
 
 class MergedLinear(Linear):

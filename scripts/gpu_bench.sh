@@ -5,7 +5,7 @@
 #      (B=1 and B=256), host profile of the engine step
 #   b: headline throughput embedded + service mode (with the parity check), batch-1 latency,
 #      prefix caching
-#   c: kernel tables (decode, prefill, baselines), skinny linear vs cuBLAS, prefix caching with
+#   c: kernel tables (decode, prefill, baselines), gemv vs cuBLAS, prefix caching with
 #      synchronous scheduling, swap vs recompute, service mode with the pipelined scheduler
 #   p: a quick look: GPU tests, parity, batch-1 profile and latency, throughput embedded and pipelined service
 #   q: after kernel changes: GPU numerics, parity, batch-1 profile + latency, projections, headline
@@ -21,7 +21,7 @@ run() { local name=$1; shift; echo "== $name"; timeout "$@" 2>&1 | grep -v "req/
 has() { [ "$part" = "$1" ] || [ "$part" = all ]; }
 if has a; then
   run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
-  run gpu-kernel-numerics 60 python -m pytest -q tests/kernels/test_linear.py tests/kernels/test_sample.py tests/kernels/test_kernels.py -k "skinny or dispatch or rounds_like or greedy_rows or sampled_rows or seed_decides or sampler"
+  run gpu-kernel-numerics 60 python -m pytest -q tests/kernels/test_linear.py tests/kernels/test_sample.py tests/kernels/test_kernels.py -k "gemv or dispatch or rounds_like or greedy_rows or sampled_rows or seed_decides or sampler"
   run parity 120 python bench/parity.py
   run parity-prefill-2-terms 120 python bench/parity.py --prefill-p-terms 2
   TAIL=40 run profile-b1 90 python bench/profile_gpu.py --batch 1 --context 512 --temperature 0 --rows 30
@@ -53,7 +53,7 @@ if has p; then  # a first look after changes: tests, parity, where batch-1 time 
 fi
 if has q; then  # after kernel changes: numerics on the GPU, parity, batch-1 latency, projections, headline
   run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
-  run gpu-kernel-numerics 90 python -m pytest -q -x tests/kernels/test_linear.py tests/kernels/test_fused.py -k "gemv or store or skinny"
+  run gpu-kernel-numerics 90 python -m pytest -q -x tests/kernels/test_linear.py tests/kernels/test_fused.py -k "gemv or store"
   run parity 120 python bench/parity.py
   TAIL=36 run latency-profile 90 python bench/latency.py --profile
   run latency 90 python bench/latency.py --out "$out/latency_h200.md"

@@ -26,7 +26,7 @@ from model_svc.layers import (
     apply_rotary,
     fused_kernels,
     linear,
-    skinny_kernels,
+    gemv_kernels,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -129,9 +129,9 @@ class LlamaMLP(nn.Module):
         return self.down(self.gate_up_proj(x))
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N, hidden)
-        down, skinny = self.down_proj, self.down_proj.skinny
-        if skinny is not None and skinny.use_gemv(gate_up, down.weight):  # decode at batch <= 4
-            return skinny.gemv(gate_up, down.weight, down.bias, silu_mul=True)  # SiluAndMul fused in
+        down, gemv_ops = self.down_proj, self.down_proj.gemv_ops
+        if gemv_ops is not None and gemv_ops.use_gemv(gate_up, down.weight):  # decode at batch <= 4
+            return gemv_ops.gemv(gate_up, down.weight, down.bias, silu_mul=True)  # SiluAndMul fused in
         return down(self.act(gate_up))  # via (N, I)
 
 
@@ -165,8 +165,8 @@ class LlamaDecoderLayer(nn.Module):
         """The Triton gemv takes these rows, and can apply the norms (their weights in x's dtype)."""
         qkv = self.self_attn.qkv_proj
         return (
-            qkv.skinny is not None
-            and qkv.skinny.use_gemv(x, qkv.weight)
+            qkv.gemv_ops is not None
+            and qkv.gemv_ops.use_gemv(x, qkv.weight)
             and self.input_layernorm.weight.dtype == self.post_attention_layernorm.weight.dtype == x.dtype
         )
 
@@ -175,7 +175,7 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, proj: Linear
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """proj(norm(x, residual)) and the new residual, in one launch."""
-        return proj.skinny.rms_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+        return proj.gemv_ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
 
 
 class LlamaModel(nn.Module):
@@ -224,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None  # tied: logits use the embedding matrix
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.skinny = skinny_kernels(ops)
+        self.gemv_ops = gemv_kernels(ops)
 
     @property
     def num_layers(self) -> int:
@@ -256,13 +256,13 @@ class LlamaForCausalLM(nn.Module):
         `out_dtype`); reading (M, vocab) fp32 costs the sampler about 40 us a step at M = 256.
         """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return logits_fp32(hidden, weight, self.skinny)
+        return logits_fp32(hidden, weight, self.gemv_ops)
 
 
-def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor, skinny) -> torch.Tensor:
+def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor, gemv_ops) -> torch.Tensor:
     """hidden (M, H) @ weight (V, H)^T in fp32 without an intermediate 16-bit rounding."""
     if hidden.dtype == torch.float32:
-        return linear(hidden, weight, None, skinny)
+        return linear(hidden, weight, None, gemv_ops)
     if hidden.is_cuda and _MM_OUT_DTYPE:
         return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
     return hidden.float() @ weight.float().t()  # CPU 16-bit (tests), or a torch without out_dtype
