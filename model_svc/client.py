@@ -50,12 +50,14 @@ class RemoteModelInfo:
     device: str
     dtype: str
     config: RemoteModelConfig
+    columnar_step: bool = False  # the service reads the columnar step encoding (plain decode rows as lists)
 
 
 def info_from_pb(m: pb.GetInfoResponse) -> RemoteModelInfo:
     config = RemoteModelConfig(m.family, m.vocab_size, m.max_position_embeddings, tuple(m.eos_token_ids),
                                m.bos_token_id if m.HasField("bos_token_id") else None)
-    return RemoteModelInfo(m.epoch, m.model, m.block_size, m.num_device_blocks, m.num_host_blocks, m.device, m.dtype, config)
+    return RemoteModelInfo(m.epoch, m.model, m.block_size, m.num_device_blocks, m.num_host_blocks, m.device, m.dtype, config,
+                           m.columnar_step)
 
 
 class RemoteModel:
@@ -105,7 +107,8 @@ class RemoteModel:
         return self.info
 
     def step(self, inp: StepInput, timeout: float | None = None) -> StepOutput:
-        request = convert.step_to_pb(inp, self.epoch)
+        info = self._info
+        request = convert.step_to_pb(inp, info.epoch, info.columnar_step)
         start = time.monotonic()
         t = self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
         try:

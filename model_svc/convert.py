@@ -1,10 +1,17 @@
 """picovllm.model.v1 messages <-> the step messages of model_svc.step (pure functions).
 
 No torch here: the scheduler's model client imports this module too.
+
+Most steps are decode steps: one token per sequence (often a placeholder), no sampling
+params, sometimes a block-table change, and one plain token back per sequence. With the
+columnar encoding (used when the service says it reads it) those rows travel as parallel
+lists, so converting a step costs a few list operations instead of a message per sequence;
+every other sequence or token still travels as its own message, and the step's order is kept.
 """
 
 from __future__ import annotations
 
+from itertools import compress
 from typing import Any
 
 from model_svc.step import SampledToken, SeqStep, StepInput, StepOutput
@@ -62,10 +69,51 @@ def seq_from_pb(m: pb.SeqStep) -> SeqStep:
     return s
 
 
-def step_to_pb(inp: StepInput, expected_epoch: str) -> pb.StepRequest:
+def _split(items: list, plain: list[bool]) -> tuple[list, list, list[int]]:
+    """(the plain items, the others, the others' indices), each in order."""
+    if all(plain):
+        return items, [], []
+    at = [i for i, p in enumerate(plain) if not p]
+    return list(compress(items, plain)), [items[i] for i in at], at
+
+
+def _merge(plain: list, others: list, at: Any) -> list:
+    """Inverse of _split: each of `others` back at its index (ascending), the plain items in
+    the gaps. Without indices (an older sender) the plain items come first."""
+    if not others:
+        return plain
+    if not plain:
+        return others
+    if not at:
+        return plain + others
+    for i, x in zip(at, others):  # ascending: everything before i is already in place
+        plain.insert(i, x)
+    return plain
+
+
+def step_to_pb(inp: StepInput, expected_epoch: str, columnar: bool = False) -> pb.StepRequest:
+    """columnar (the service reads it): plain decode rows as parallel lists, the rest as
+    SeqStep messages; the answer may then come columnar too."""
     m = pb.StepRequest(expected_epoch=expected_epoch, finished=inp.finished, num_steps=inp.num_steps)
+    seqs = inp.seqs
+    if columnar:
+        m.columnar_answer = True
+        decode, seqs, at = _split(seqs, [s.sampling is None and len(s.token_ids) == 1 for s in seqs])
+        if decode:
+            m.seqs_at.extend(at)
+            m.decode_seq_ids.extend([s.seq_id for s in decode])
+            m.decode_token_ids.extend([s.token_ids[0] for s in decode])
+            m.decode_start_pos.extend([s.start_pos for s in decode])
+            m.decode_sample.extend([s.sample for s in decode])
+            rows = [i for i, s in enumerate(decode) if s.table_blocks is not None]
+            if rows:  # a block table that grew (every block_size tokens) or had entries replaced
+                tables = [decode[i] for i in rows]
+                m.decode_table_rows.extend(rows)
+                m.decode_table_starts.extend([s.table_start for s in tables])
+                m.decode_table_lens.extend([len(s.table_blocks) for s in tables])
+                m.decode_table_blocks.extend([b for s in tables for b in s.table_blocks])
     add = m.seqs.add
-    for s in inp.seqs:  # filled in place: building each SeqStep and copying it in costs twice as much
+    for s in seqs:  # filled in place: building each SeqStep and copying it in costs twice as much
         seq_to_pb(s, add())
     for name in ("swap_out", "copies", "swap_in"):  # usually empty: an unset message reads as no pairs
         pairs = getattr(inp, name)
@@ -74,15 +122,38 @@ def step_to_pb(inp: StepInput, expected_epoch: str) -> pb.StepRequest:
     return m
 
 
+def _decode_rows_from_pb(m: pb.StepRequest) -> list[SeqStep]:
+    decode = list(map(SeqStep, m.decode_seq_ids, [[t] for t in m.decode_token_ids], m.decode_start_pos, m.decode_sample))
+    if m.decode_table_rows:
+        blocks, end = list(m.decode_table_blocks), 0
+        for row, start, n in zip(m.decode_table_rows, m.decode_table_starts, m.decode_table_lens):
+            s = decode[row]
+            s.table_start, s.table_blocks = start, blocks[end : end + n]
+            end += n
+    return decode
+
+
 def step_from_pb(m: pb.StepRequest) -> StepInput:
-    return StepInput([seq_from_pb(s) for s in m.seqs], _copies_from_pb(m.swap_out), _copies_from_pb(m.swap_in),
+    seqs = [seq_from_pb(s) for s in m.seqs]
+    if m.decode_seq_ids:
+        seqs = _merge(_decode_rows_from_pb(m), seqs, m.seqs_at)
+    return StepInput(seqs, _copies_from_pb(m.swap_out), _copies_from_pb(m.swap_in),
                      _copies_from_pb(m.copies), list(m.finished), max(1, m.num_steps))
 
 
-def output_to_pb(out: StepOutput, epoch: str) -> pb.StepResponse:
+def output_to_pb(out: StepOutput, epoch: str, columnar: bool = False) -> pb.StepResponse:
+    """columnar (the request's columnar_answer): plain tokens as two parallel lists, the
+    others (logprobs, multi-step tokens) as SampledToken messages."""
     resp = pb.StepResponse(epoch=epoch)
+    sampled = out.sampled
+    if columnar:
+        plain, sampled, at = _split(sampled, [t.logprob is None and not t.extra_token_ids and not t.top_logprobs for t in sampled])
+        if plain:
+            resp.sampled_at.extend(at)
+            resp.sampled_seq_ids.extend([t.seq_id for t in plain])
+            resp.sampled_token_ids.extend([t.token_id for t in plain])
     add = resp.sampled.add
-    for t in out.sampled:  # filled in place, optional parts only when present (most steps: one greedy token each)
+    for t in sampled:  # filled in place, optional parts only when present (most steps: one greedy token each)
         m = add()
         m.seq_id, m.token_id = t.seq_id, t.token_id
         if t.logprob is not None:
@@ -103,4 +174,6 @@ def output_from_pb(m: pb.StepResponse) -> StepOutput:
         logprob = t.logprob if t.HasField("logprob") else None
         top = [(x.token_id, x.logprob) for x in t.top_logprobs] if logprob is not None else None
         sampled.append(SampledToken(t.seq_id, t.token_id, logprob, top, list(t.extra_token_ids)))
+    if m.sampled_seq_ids:
+        sampled = _merge(list(map(SampledToken, m.sampled_seq_ids, m.sampled_token_ids)), sampled, m.sampled_at)
     return StepOutput(sampled)

@@ -101,7 +101,7 @@ def info_to_pb(i: ModelInfo) -> pb.GetInfoResponse:
     return pb.GetInfoResponse(
         epoch=i.epoch, model=i.model, family=i.family, vocab_size=i.vocab_size, max_position_embeddings=i.max_position_embeddings,
         eos_token_ids=i.eos_token_ids, bos_token_id=i.bos_token_id, block_size=i.block_size, num_device_blocks=i.num_device_blocks,
-        num_host_blocks=i.num_host_blocks, device=i.device, dtype=i.dtype,
+        num_host_blocks=i.num_host_blocks, device=i.device, dtype=i.dtype, columnar_step=True,
     )
 
 
@@ -130,14 +130,14 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         """On the launch thread."""
         try:
             launched = self.service.launch(request.expected_epoch, convert.step_from_pb(request))
-            self.readback.submit(self._read_back, launched, loop, answer)
+            self.readback.submit(self._read_back, launched, request.columnar_answer, loop, answer)
         except BaseException as exc:  # noqa: BLE001 - raised in the handler (the interceptor maps it)
             _settle(loop, answer, None, exc)
 
-    def _read_back(self, launched: Any, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
+    def _read_back(self, launched: Any, columnar: bool, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
         """On the readback thread."""
         try:
-            resp = convert.output_to_pb(launched.result(), self.service.epoch)
+            resp = convert.output_to_pb(launched.result(), self.service.epoch, columnar)
         except BaseException as exc:  # noqa: BLE001
             _settle(loop, answer, None, exc)
             return

@@ -59,7 +59,7 @@ class SeqStep(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., sample: _Optional[bool] = ..., table_changed: _Optional[bool] = ..., table_start: _Optional[int] = ..., table_blocks: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("expected_epoch", "seqs", "swap_out", "copies", "swap_in", "finished", "num_steps")
+    __slots__ = ("expected_epoch", "seqs", "swap_out", "copies", "swap_in", "finished", "num_steps", "decode_seq_ids", "decode_token_ids", "decode_start_pos", "decode_sample", "decode_table_rows", "decode_table_starts", "decode_table_lens", "decode_table_blocks", "seqs_at", "columnar_answer")
     EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,16 @@ class StepRequest(_message.Message):
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_START_POS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TABLE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TABLE_STARTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TABLE_LENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEQS_AT_FIELD_NUMBER: _ClassVar[int]
+    COLUMNAR_ANSWER_FIELD_NUMBER: _ClassVar[int]
     expected_epoch: str
     seqs: _containers.RepeatedCompositeFieldContainer[SeqStep]
     swap_out: BlockCopies
@@ -74,7 +84,17 @@ class StepRequest(_message.Message):
     swap_in: BlockCopies
     finished: _containers.RepeatedScalarFieldContainer[str]
     num_steps: int
-    def __init__(self, expected_epoch: _Optional[str] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., swap_out: _Optional[_Union[BlockCopies, _Mapping]] = ..., copies: _Optional[_Union[BlockCopies, _Mapping]] = ..., swap_in: _Optional[_Union[BlockCopies, _Mapping]] = ..., finished: _Optional[_Iterable[str]] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    decode_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    decode_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    decode_start_pos: _containers.RepeatedScalarFieldContainer[int]
+    decode_sample: _containers.RepeatedScalarFieldContainer[bool]
+    decode_table_rows: _containers.RepeatedScalarFieldContainer[int]
+    decode_table_starts: _containers.RepeatedScalarFieldContainer[int]
+    decode_table_lens: _containers.RepeatedScalarFieldContainer[int]
+    decode_table_blocks: _containers.RepeatedScalarFieldContainer[int]
+    seqs_at: _containers.RepeatedScalarFieldContainer[int]
+    columnar_answer: bool
+    def __init__(self, expected_epoch: _Optional[str] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., swap_out: _Optional[_Union[BlockCopies, _Mapping]] = ..., copies: _Optional[_Union[BlockCopies, _Mapping]] = ..., swap_in: _Optional[_Union[BlockCopies, _Mapping]] = ..., finished: _Optional[_Iterable[str]] = ..., num_steps: _Optional[int] = ..., decode_seq_ids: _Optional[_Iterable[str]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., decode_start_pos: _Optional[_Iterable[int]] = ..., decode_sample: _Optional[_Iterable[bool]] = ..., decode_table_rows: _Optional[_Iterable[int]] = ..., decode_table_starts: _Optional[_Iterable[int]] = ..., decode_table_lens: _Optional[_Iterable[int]] = ..., decode_table_blocks: _Optional[_Iterable[int]] = ..., seqs_at: _Optional[_Iterable[int]] = ..., columnar_answer: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -99,19 +119,25 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., extra_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("epoch", "sampled")
+    __slots__ = ("epoch", "sampled", "sampled_seq_ids", "sampled_token_ids", "sampled_at")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_AT_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
-    def __init__(self, epoch: _Optional[str] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ...) -> None: ...
+    sampled_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampled_at: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[str] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., sampled_seq_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_at: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("epoch", "model", "family", "vocab_size", "max_position_embeddings", "eos_token_ids", "bos_token_id", "block_size", "num_device_blocks", "num_host_blocks", "device", "dtype")
+    __slots__ = ("epoch", "model", "family", "vocab_size", "max_position_embeddings", "eos_token_ids", "bos_token_id", "block_size", "num_device_blocks", "num_host_blocks", "device", "dtype", "columnar_step")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +150,7 @@ class GetInfoResponse(_message.Message):
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COLUMNAR_STEP_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     model: str
     family: str
@@ -136,4 +163,5 @@ class GetInfoResponse(_message.Message):
     num_host_blocks: int
     device: str
     dtype: str
-    def __init__(self, epoch: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    columnar_step: bool
+    def __init__(self, epoch: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., columnar_step: _Optional[bool] = ...) -> None: ...
