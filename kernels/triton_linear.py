@@ -140,14 +140,19 @@ def rms_norm_gemv(
     decoder layer's input and post-attention norms at decode batch sizes."""
     assert x.shape[1] == weight.shape[1] == norm_weight.shape[0] and x.stride(-1) == 1
     assert norm_weight.dtype == x.dtype, "the fused norm rounds its product to the activation dtype"
-    if residual is None:
-        return _launch_gemv(x, weight, bias, norm=(norm_weight, eps, None, None)), x
-    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
-    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return _launch_gemv(x, weight, bias, norm=(norm_weight, eps, residual, new_residual)), new_residual
+    new_residual = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+        new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = _launch_gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, new_residual=new_residual)
+    return out, x if residual is None else new_residual
 
 
-def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False, norm=None) -> torch.Tensor:
+def _launch_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False,
+    norm_weight: torch.Tensor | None = None, eps: float = 0.0,  # a norm weight: NORM mode
+    residual: torch.Tensor | None = None, new_residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape
     assert m <= GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1, (x.shape, x.stride(), weight.stride())
@@ -160,15 +165,14 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     # Qwen3-0.6B's projections: all of them), so that every weight load is issued at once.
     step = GEMV_ELEMS_PER_THREAD * 32 * GEMV_WARPS // block_n
     block_k = max(16, min(next_pow2(k), 64 if interpreting() else step))
-    norm_weight, eps, residual, new_residual = norm if norm is not None else (x, 0.0, None, None)
     has_residual = residual is not None
-    residual = residual if has_residual else x
+    residual = residual if has_residual else x  # unused by the kernel then
     new_residual = new_residual if has_residual else x
     _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
-        residual, norm_weight, new_residual, eps,
+        residual, norm_weight if norm_weight is not None else x, new_residual, eps,
         m, n, x.stride(0), weight.stride(0), out.stride(0), residual.stride(0), new_residual.stride(0),
-        K=k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RESIDUAL=has_residual,
+        K=k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RESIDUAL=has_residual,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, FIX_BF16=fix_bf16_rounding(x.dtype),
         num_warps=GEMV_WARPS,
     )  # fmt: skip
@@ -179,8 +183,8 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Where gemv beats cuBLAS on the H200 with weights from HBM (bench/results/linear_h200.md):
     every projection at one row (Qwen3-0.6B: o 3.3 vs 13.0 us, down 4.8 vs 7.4, q|k|v 4.3 vs
     4.9, gate|up 5.3 vs 6.0), and the ones into a narrower output (o, down) up to
-    GEMV_MAX_ROWS rows. cuBLAS keeps q|k|v and gate|up from two rows, the vocabulary-sized
-    logits product, fp32 (exact tests), prefill and larger batches."""
+    GEMV_MAX_ROWS rows. cuBLAS keeps q|k|v and gate|up from two rows, outputs wider than
+    32768 columns, fp32 (exact tests), prefill and larger batches."""
     m = x.shape[0] if x.dim() == 2 else 0
     n, k = weight.shape
     return (

@@ -126,16 +126,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(max_tokens, self.config.max_position_embeddings)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
-            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            is_decode=False,
-        )
+        ids, positions, meta = self._dummy_prefill([n])
         with torch.inference_mode():
-            hidden = self.model(ids, torch.arange(n, device=self.device), [(None, None)] * self.config.num_hidden_layers, meta)
+            hidden = self.model(ids, positions, [(None, None)] * self.config.num_hidden_layers, meta)
             # The sampler at the largest batch with every truncation on (its sorts are the
             # largest temporaries): counted in the peak, and its blocks stay in the allocator.
             rows = min(n, max_seqs)
@@ -151,22 +144,30 @@ class ModelRunner:
             raise RuntimeError(f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after the weights")
         return int(num)
 
+    def _dummy_prefill(self, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) of a prefill of token-0 prompts of these lengths
+        that writes nothing (slots -1) and whose every sequence reads block 0."""
+        dev, n = self.device, sum(lens)
+        positions = torch.cat([torch.arange(k, device=dev) for k in lens])
+        cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
+            block_tables=torch.zeros((len(lens), 1), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=cu,
+            is_decode=False,
+        )
+        return torch.zeros(n, dtype=torch.long, device=dev), positions, meta
+
     @torch.inference_mode()
     def _compile_kernels(self) -> None:
         """Run once what the decode graphs do not: a paged prefill of two sequences (nothing
         written: slots -1; they read block 0, whatever it holds) and temperature sampling, so
         that their Triton kernels compile at start-up, not in the middle of the first requests
         (a second or two each on a fresh machine)."""
-        n, dev = 32, self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
-            block_tables=torch.zeros((2, 1), dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n // 2, n // 2], dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor([0, n // 2, n], dtype=torch.int32, device=dev),
-            is_decode=False,
-        )
-        positions = torch.arange(n // 2, device=dev).repeat(2)
-        hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), positions, self.pools.layer_caches, meta)
+        ids, positions, meta = self._dummy_prefill([16, 16])
+        hidden = self.model(ids, positions, self.pools.layer_caches, meta)
+        dev = self.device
         plain = _ProfileSampling(top_k=0, top_p=1.0, min_p=0.0)  # temperature only: the fused kernel
         params = [plain, _ProfileSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)]
         self.sampler(self.model.compute_logits(hidden[:2]), SamplingBatch.build(params, None, None, None, dev))
