@@ -22,6 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import copy_bandwidth, device_sync, environment, make_llm, matmul_flops, write_result  # noqa: E402
+from scheduler_svc import phase_times  # noqa: E402
+
+MODEL_PHASES_BEFORE: dict[str, tuple[float, int]] = {}  # the model service's phase totals when the timed call began
 
 
 def make_workload(num_seqs: int, max_input_len: int, max_output_len: int, seed: int = 0):
@@ -118,6 +121,10 @@ def timed_generate(llm, prompts, params, device, cold_cache: bool = True, warmup
     sync()
     stats = llm.engine.scheduler.stats
     steps, preemptions = stats.num_steps, stats.num_preemptions
+    if phase_times.ENABLED:  # phases of the timed call only (the model service's: as a difference)
+        phase_times.reset()
+        MODEL_PHASES_BEFORE.clear()
+        MODEL_PHASES_BEFORE.update(phase_times.load("model"))
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     sync()
@@ -212,6 +219,9 @@ def main() -> None:
         run_notes.append(f"- {runs[-1][1] / runs[-1][0]:,.0f} tok/s, {runs[-1][2]} steps; during warm-up and run: {RunCounters.delta(before, counters.snapshot())}")
         run_notes += [f"  - compiled: {name}" for name in counters.compiled[len(counters.compiled) - (counters.compiles - before['triton compiles']):]]
     seconds, num_out, embedded_steps, embedded_preemptions = sorted(runs)[len(runs) // 2]  # the median run
+    phase_rows = []
+    if phase_times.ENABLED:
+        phase_rows += ["", f"Phase times, last embedded run ({runs[-1][2]} steps):", *phase_times.table(phase_times.snapshot(), runs[-1][2])]
     tok_s = num_out / seconds
     overlapped = llm.engine.async_scheduling
     num_device_blocks, runner_config, graphs = runner.num_device_blocks, runner.config, runner.graphs is not None
@@ -237,6 +247,11 @@ def main() -> None:
             svc_seconds, svc_out, svc_steps, _ = timed_generate(svc, prompts, params, torch.device("cpu"), cold_cache=False, warmup=args.warmup)
         finally:
             services.close()
+        if phase_times.ENABLED:  # where each process spent the service run's steps
+            model_phases = {k: (s - MODEL_PHASES_BEFORE.get(k, (0.0, 0))[0], n - MODEL_PHASES_BEFORE.get(k, (0.0, 0))[1])
+                            for k, (s, n) in phase_times.load("model").items()}
+            phase_rows += ["", f"Phase times, service run, scheduler process ({svc_steps} steps):", *phase_times.table(phase_times.snapshot(), svc_steps),
+                           "", "Phase times, service run, model service:", *phase_times.table(model_phases, svc_steps)]
         svc_tok_s = svc_out / svc_seconds
         ratio = f"{svc_tok_s / sync_tok_s:.1%} of embedded synchronous" + (f", {svc_tok_s / tok_s:.1%} of embedded overlapped" if overlapped else "")
         extra_rows.append(f"| service (3 processes, gRPC{', pipelined' if args.service_pipelined else ''}) | {svc_out} | {svc_seconds:.2f} | {svc_tok_s:,.0f} | | {ratio} | "
@@ -254,6 +269,8 @@ def main() -> None:
         f"device blocks {num_device_blocks}, kernels {runner.ops.name}, cuda graphs {graphs}, "
         f"scheduler steps {args.num_scheduler_steps}, overlapped scheduling {overlapped}",
     ]
+    if phase_rows:
+        lines += ["", "(phase tables: PICOVLLM_PHASE_TIMES was set; wall time per phase of each process, see scheduler_svc/phase_times.py)", *phase_rows]
     if parity:
         lines += ["", "Greedy parity, optimized vs plain path (first 32 tokens, 8 prompts):", *(f"- {r}" for r in parity)]
     print("\n".join(lines))

@@ -4,11 +4,20 @@ with the pool sizes and model facts the engine reads (`num_device_blocks`, `conf
 It remembers the service's epoch. A step refused for another epoch raises ModelRestarted
 (the service came back empty: recompute); a service that stays down for the retry window
 raises ModelUnavailable (the engine tries again on its next step).
+
+`step()` is one unary Step call. The pipelined scheduler uses `launch()` instead: steps go
+over one long-lived StepStream in order, so it can send the next steps while the service
+still runs earlier ones (a unary call per step could overtake the one before it).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import grpc
@@ -17,8 +26,9 @@ from model_svc import convert
 from model_svc.step import StepInput, StepOutput
 from protos.picovllm.model.v1 import model_pb2 as pb
 from protos.picovllm.model.v1 import model_pb2_grpc as pb_grpc
-from scheduler_svc.errors import FailedPrecondition, Unavailable
-from scheduler_svc.rpc import CHANNEL_OPTIONS, call_with_retry
+from scheduler_svc import phase_times
+from scheduler_svc.errors import FailedPrecondition, Unavailable, error_from_rpc
+from scheduler_svc.rpc import CHANNEL_OPTIONS, RETRYABLE, call_with_retry
 
 
 class ModelUnavailable(Unavailable):
@@ -70,6 +80,7 @@ class RemoteModel:
         self.info: RemoteModelInfo | None = None
         self.num_steps = 0
         self.step_seconds = 0.0
+        self._stream: _StepStream | None = None  # the step stream of launch() (opened on first use)
 
     # What LLMEngine reads from a model client.
     @property
@@ -108,7 +119,11 @@ class RemoteModel:
 
     def step(self, inp: StepInput, timeout: float | None = None) -> StepOutput:
         info = self._info
+        timed = phase_times.ENABLED
+        t0 = time.perf_counter() if timed else 0.0
         request = convert.step_to_pb(inp, info.epoch, info.columnar_step)
+        if timed:
+            phase_times.add("client.encode", t0)
         start = time.monotonic()
         t = self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
         try:
@@ -118,7 +133,114 @@ class RemoteModel:
         finally:
             self.step_seconds += time.monotonic() - start
         self.num_steps += 1
-        return convert.output_from_pb(resp)
+        if not timed:
+            return convert.output_from_pb(resp)
+        t1 = time.perf_counter()
+        out = convert.output_from_pb(resp)
+        phase_times.add("client.decode", t1)
+        phase_times.add("client.step", t0)
+        return out
+
+    def launch(self, inp: StepInput, timeout: float | None = None) -> "StreamedStep":
+        """Send the step over the service's step stream without waiting (the pipelined
+        scheduler keeps the next steps queued there); `.result()` waits for its answer."""
+        request = convert.step_to_pb(inp, self._info.epoch, self._info.columnar_step)
+        if self._stream is None or self._stream.broken is not None:
+            self._stream = _StepStream(self)
+        return StreamedStep(self, self._stream, self._stream.send(request), timeout)
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self.channel.close()
+
+
+def _stream_error(err: grpc.RpcError, address: str) -> Exception:
+    """What a failed step stream means for the steps sent on it."""
+    code = err.code()
+    if code == grpc.StatusCode.FAILED_PRECONDITION:  # another epoch: the service restarted
+        return ModelRestarted(err.details() or "new epoch")
+    if code in RETRYABLE or code == grpc.StatusCode.CANCELLED:
+        return ModelUnavailable(f"model {address} StepStream: {code.name}: {err.details()}")
+    return error_from_rpc(err) or RuntimeError(f"model {address} StepStream: {code.name}: {err.details()}")
+
+
+class _StepStream:
+    """One StepStream call: requests go out in the order sent, and the answers, which come
+    back in that order, are matched to them in order. Once the stream fails, every step sent
+    on it that has no answer fails the same way, and so does every later send."""
+
+    def __init__(self, model: RemoteModel) -> None:
+        self.address = model.address
+        self.broken: Exception | None = None
+        self._lock = threading.Lock()
+        self._pending: deque[Future] = deque()
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        try:  # a service that is down: fail now (the engine retries on its next step)
+            grpc.channel_ready_future(model.channel).result(timeout=model.retry_window_s)
+        except grpc.FutureTimeoutError:
+            self.broken = ModelUnavailable(f"model {self.address} not ready within {model.retry_window_s} s")
+            return
+        self._call = model.stub.StepStream(iter(self._requests.get, None))
+        threading.Thread(target=self._read, name="model-stream", daemon=True).start()
+
+    def send(self, request: pb.StepRequest) -> Future:
+        answer: Future = Future()
+        with self._lock:
+            if self.broken is not None:
+                answer.set_exception(self.broken)
+            else:
+                self._pending.append(answer)
+                self._requests.put(request)
+        return answer
+
+    def _read(self) -> None:
+        try:
+            for response in self._call:
+                with self._lock:
+                    answer = self._pending.popleft()
+                answer.set_result(response)
+            error: Exception = ModelUnavailable(f"model {self.address} closed the step stream")
+        except grpc.RpcError as err:
+            error = _stream_error(err, self.address)
+        except IndexError:  # an answer nobody asked for
+            error = RuntimeError(f"model {self.address} answered a step that was not sent")
+        self.fail(error)
+
+    def fail(self, error: Exception) -> None:
+        with self._lock:
+            if self.broken is None:
+                self.broken = error
+            pending, self._pending = list(self._pending), deque()
+        for answer in pending:
+            answer.set_exception(error)
+        self.close()
+
+    def close(self) -> None:
+        self._requests.put(None)  # the end of the request iterator
+        call = getattr(self, "_call", None)
+        if call is not None:
+            call.cancel()
+
+
+class StreamedStep:
+    """A step sent on the step stream; result() is its StepOutput (ModelRestarted,
+    ModelUnavailable or the domain error otherwise)."""
+
+    def __init__(self, model: RemoteModel, stream: _StepStream, answer: Future, timeout: float | None) -> None:
+        self.model, self.stream, self.answer, self.timeout = model, stream, answer, timeout
+
+    def result(self) -> StepOutput:
+        t = self.model.rpc_timeout_s if self.timeout is None else min(self.timeout, self.model.rpc_timeout_s)
+        try:
+            response = self.answer.result(timeout=t)
+        except FutureTimeout:  # the steps behind it cannot be trusted either: drop the stream
+            self.stream.fail(ModelUnavailable(f"model {self.model.address}: no answer to a step within {t:.2f} s"))
+            response = self.answer.result()  # raises the failure just set
+        self.model.num_steps += 1
+        if not phase_times.ENABLED:
+            return convert.output_from_pb(response)
+        t1 = time.perf_counter()
+        out = convert.output_from_pb(response)
+        phase_times.add("client.decode", t1)
+        return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -21,6 +22,7 @@ from model_svc.loader import load_model, resolve_dtype
 from model_svc.sampler import Sampler, SamplingBatch, make_generator
 from model_svc.step import PLACEHOLDER, SampledToken, SeqStep, StepInput, StepOutput
 from model_svc.transfer import to_device
+from scheduler_svc import phase_times
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class _SeqState:
     num_blocks: int = 0
     token_ids: list[int] = field(default_factory=list)  # every token fed, by position
     generator: torch.Generator | None = None
+    sampled: bool = False  # a launched step sampled it: a placeholder can stand for its latest token
 
 
 class ModelRunner:
@@ -89,8 +92,10 @@ class ModelRunner:
         max_len = min(self.config.max_position_embeddings, num_device_blocks * block_size)
         self.block_tables = HostBlockTables(-(-max_len // block_size))
         self.graphs = None
-        self._last_sampled: torch.Tensor | None = None  # (B,) what the previous step sampled
-        self._last_index: dict[str, int] = {}
+        # Each sequence's latest sampled token on the device, by block-table row: placeholders
+        # read it, so any number of launched steps may be ahead of what the host has read back.
+        self._last_token: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None  # the prepared step's rows, in batch order (device)
         self._batch_cache: tuple[list, list, SamplingBatch] | None = None  # see _sampling_batch
         # The model service reads a step back on one thread while it launches the next on
         # another; both touch the sequences' token histories.
@@ -194,11 +199,14 @@ class ModelRunner:
         self.pools.swap_in(inp.swap_in)
         if not inp.seqs:
             return LaunchedStep(self, [], None)
+        t = time.perf_counter() if phase_times.ENABLED else 0.0
         with self._state_lock:
             for s in inp.seqs:
                 self._update_seq(s)
         seqs = _longest_first(inp.seqs)
         input_ids, positions, meta, sample_rows = self._prepare(seqs)
+        if phase_times.ENABLED:
+            phase_times.add("runner.prepare", t)
         if inp.num_steps > 1:
             return self._multi_step(inp.num_steps, seqs, input_ids, positions, meta)
         hidden = self._forward(input_ids, positions, meta)
@@ -209,7 +217,8 @@ class ModelRunner:
         seqs = [s for _, s in sample_rows]
         states = [self.seqs[s.seq_id] for s in seqs]
         result = self.sampler(logits, self._sampling_batch(states))
-        self._remember_sampled(seqs, result.token_ids)
+        table_rows = self._rows if len(seqs) == len(inp.seqs) else self._h2d(np.asarray([st.row for st in states], dtype=np.int64))
+        self._remember_sampled(states, table_rows, result.token_ids)
         return LaunchedStep(self, seqs, result.token_ids[:, None], result)
 
     def _sampling_batch(self, states: list["_SeqState"]) -> SamplingBatch:
@@ -232,20 +241,29 @@ class ModelRunner:
         return batch
 
     def _fill_placeholders(self, ids_dev: torch.Tensor, placeholders: np.ndarray, seqs: list[SeqStep], seq_index: np.ndarray) -> None:
-        """Decode inputs the host did not know: the tokens this runner sampled last step."""
-        try:
-            rows = [self._last_index[seqs[b].seq_id] for b in seq_index[placeholders].tolist()]
-        except (KeyError, AttributeError):
-            raise ValueError("a placeholder token for a sequence that was not sampled in the previous step") from None
-        index = self._h2d(np.concatenate([placeholders, np.asarray(rows, dtype=placeholders.dtype)]))
-        ids_dev[index[: len(rows)]] = self._last_sampled[index[len(rows) :]]
+        """Decode inputs the host did not know: each sequence's latest sampled token (stream
+        order puts every launched step's sample before this step's read)."""
+        states = [self.seqs[seqs[b].seq_id] for b in seq_index[placeholders].tolist()]
+        if not all(st.sampled for st in states):
+            raise ValueError("a placeholder token for a sequence that has not been sampled yet")
+        rows = np.asarray([st.row for st in states], dtype=placeholders.dtype)
+        index = self._h2d(np.concatenate([placeholders, rows]))
+        ids_dev[index[: len(rows)]] = self._last_token[index[len(rows) :]]
 
     def _h2d(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, None, self.device, self.pinned_inputs)
 
-    def _remember_sampled(self, seqs: list[SeqStep], token_ids: torch.Tensor) -> None:
-        self._last_sampled = token_ids
-        self._last_index = {s.seq_id: i for i, s in enumerate(seqs)}
+    def _remember_sampled(self, states: list[_SeqState], rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Record each sampled sequence's token at its row (rows: device, in states' order)."""
+        capacity = self.block_tables.table.shape[0]
+        if self._last_token is None or self._last_token.numel() < capacity:
+            grown = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+            if self._last_token is not None:
+                grown[: self._last_token.numel()] = self._last_token
+            self._last_token = grown
+        self._last_token[rows] = token_ids.reshape(-1).to(torch.int64)
+        for st in states:
+            st.sampled = True
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.graphs is not None and meta.is_decode and self.graphs.can_run(input_ids.shape[0], meta.block_tables.shape[1]):
@@ -272,7 +290,7 @@ class ModelRunner:
                     slot_mapping=block * bs + positions % bs, block_tables=meta.block_tables, seq_lens=meta.seq_lens + 1,
                     cu_seqlens_q=meta.cu_seqlens_q, is_decode=True,
                 )
-        self._remember_sampled(seqs, input_ids)
+        self._remember_sampled([self.seqs[s.seq_id] for s in seqs], self._rows, input_ids)
         return LaunchedStep(self, seqs, torch.stack(sampled, dim=1))  # (B, num_steps)
 
     def _update_seq(self, s: SeqStep) -> None:
@@ -307,9 +325,9 @@ class ModelRunner:
         num_seqs = len(seqs)
         lens = [len(s.token_ids) for s in seqs]
         num_tokens = sum(lens)
-        packed = np.empty(3 * num_tokens + 2 * num_seqs + 1, dtype=np.int64)
+        packed = np.empty(3 * num_tokens + 3 * num_seqs + 1, dtype=np.int64)
         ids, pos, slots = packed[:num_tokens], packed[num_tokens : 2 * num_tokens], packed[2 * num_tokens : 3 * num_tokens]
-        seq_lens, cu = packed[3 * num_tokens : 3 * num_tokens + num_seqs], packed[3 * num_tokens + num_seqs :]
+        seq_lens, cu = packed[3 * num_tokens : 3 * num_tokens + num_seqs], packed[3 * num_tokens + num_seqs : 3 * num_tokens + 2 * num_seqs + 1]
         if num_tokens == num_seqs:  # decode: one token each
             ids[:] = [s.token_ids[0] for s in seqs]
             pos[:] = [s.start_pos for s in seqs]
@@ -324,7 +342,9 @@ class ModelRunner:
         sample_rows = [(int(cu[b + 1]) - 1, s) for b, s in enumerate(seqs) if s.sample]
         states = [self.seqs[s.seq_id] for s in seqs]
         width = max(st.num_blocks for st in states)
-        tables = self.block_tables.rows([st.row for st in states], width)
+        rows = [st.row for st in states]
+        packed[3 * num_tokens + 2 * num_seqs + 1 :] = rows
+        tables = self.block_tables.rows(rows, width)
         bs = self.block_size
         slots[:] = tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs  # on the host: no kernels
         packed_dev = self._h2d(packed)
@@ -337,10 +357,11 @@ class ModelRunner:
             slot_mapping=packed_dev[2 * t : 3 * t],
             block_tables=block_tables,
             seq_lens=packed_dev[3 * t : 3 * t + num_seqs].to(torch.int32),
-            cu_seqlens_q=packed_dev[3 * t + num_seqs :].to(torch.int32),
+            cu_seqlens_q=packed_dev[3 * t + num_seqs : 3 * t + 2 * num_seqs + 1].to(torch.int32),
             is_decode=num_tokens == num_seqs,
         )
         ids_dev, pos_dev = packed_dev[:t], packed_dev[t : 2 * t]
+        self._rows = packed_dev[3 * t + 2 * num_seqs + 1 :]
         return ids_dev, pos_dev, meta, sample_rows
 
 

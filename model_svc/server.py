@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator
+
+import grpc
 
 from model_svc import convert
 from model_svc.step import StepInput
 from protos.picovllm.model.v1 import model_pb2 as pb
 from protos.picovllm.model.v1 import model_pb2_grpc as pb_grpc
+from scheduler_svc import phase_times
 from scheduler_svc.errors import FailedPrecondition, Unavailable
 from scheduler_svc.rpc import freeze_heap, start_server, stop_event
 from scheduler_svc.service_config import ModelSection
@@ -123,13 +127,48 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
-        self.executor.submit(self._launch, request, loop, answer)
+        self.executor.submit(self._launch, request, loop, answer, time.perf_counter())
         return await answer
 
-    def _launch(self, request: pb.StepRequest, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
-        """On the launch thread."""
+    async def StepStream(self, request_iterator, context) -> AsyncIterator[pb.StepResponse]:
+        """Steps in the order they arrive on the stream, each launched as Step launches it (so
+        the next ones are queued on the device while one is read back), answered in that
+        order. A failed step ends the stream with its status (the interceptor maps it)."""
+        loop = asyncio.get_running_loop()
+        answers: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    answer = loop.create_future()
+                    self.executor.submit(self._launch, request, loop, answer, time.perf_counter())
+                    answers.put_nowait(answer)
+            except (asyncio.CancelledError, grpc.RpcError):  # the caller went away
+                pass
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
         try:
-            launched = self.service.launch(request.expected_epoch, convert.step_from_pb(request))
+            while (answer := await answers.get()) is not None:
+                yield await answer
+        finally:
+            reader.cancel()
+
+    def _launch(self, request: pb.StepRequest, loop: asyncio.AbstractEventLoop, answer: asyncio.Future, received: float) -> None:
+        """On the launch thread."""
+        timed = phase_times.ENABLED
+        try:
+            if timed:
+                phase_times.add("model.queued", received)
+                t = time.perf_counter()
+                inp = convert.step_from_pb(request)
+                phase_times.add("model.decode", t)
+                t = time.perf_counter()
+                launched = self.service.launch(request.expected_epoch, inp)
+                phase_times.add("model.launch", t)
+            else:
+                launched = self.service.launch(request.expected_epoch, convert.step_from_pb(request))
             self.readback.submit(self._read_back, launched, request.columnar_answer, loop, answer)
         except BaseException as exc:  # noqa: BLE001 - raised in the handler (the interceptor maps it)
             _settle(loop, answer, None, exc)
@@ -137,7 +176,15 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     def _read_back(self, launched: Any, columnar: bool, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
         """On the readback thread."""
         try:
-            resp = convert.output_to_pb(launched.result(), self.service.epoch, columnar)
+            if phase_times.ENABLED:
+                t = time.perf_counter()
+                out = launched.result()
+                phase_times.add("model.wait", t)
+                t = time.perf_counter()
+                resp = convert.output_to_pb(out, self.service.epoch, columnar)
+                phase_times.add("model.encode", t)
+            else:
+                resp = convert.output_to_pb(launched.result(), self.service.epoch, columnar)
         except BaseException as exc:  # noqa: BLE001
             _settle(loop, answer, None, exc)
             return
@@ -178,6 +225,7 @@ async def serve(config: ModelSection, max_num_seqs: int = 256) -> None:
     if load.done():
         load.result()  # a model that fails to load ends the process with the error
         freeze_heap()  # the model and torch: out of the collector's sight, so no full collection stalls a step
+        phase_times.configure("model", "model.wait")
         await running.set_serving(True)
         logger.info("model service ready on %s: epoch %s, %d device / %d host blocks", config.address, service.epoch,
                     service.runner.num_device_blocks, service.runner.num_host_blocks)

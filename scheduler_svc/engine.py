@@ -10,11 +10,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvcache_svc import KVCacheManager
 from model_svc.step import StepInput, StepOutput
+from scheduler_svc import phase_times
 from scheduler_svc.config import EngineConfig
 from scheduler_svc.detokenizer import DetokenizerState, IncrementalDetokenizer
 from scheduler_svc.outputs import RequestOutput
@@ -46,6 +48,11 @@ class _Stream:
 
 
 class LLMEngine:
+    # Steps in flight under overlapped scheduling: step k is queued before step k - depth is
+    # read back. In process, one step ahead hides the host's work; a remote model service
+    # also needs the round trips hidden (ServiceEngine).
+    pipeline_depth = 1
+
     def __init__(self, config: EngineConfig, model: ModelClient | None = None, tokenizer=None, model_config=None, kv=None) -> None:
         self.config = config
         if model is None:
@@ -89,7 +96,7 @@ class LLMEngine:
         if overlap is None:
             overlap = getattr(getattr(model, "device", None), "type", None) == "cuda"
         self.async_scheduling = bool(overlap) and hasattr(model, "launch") and config.num_scheduler_steps == 1
-        self._inflight = None  # (SchedulerOutput, LaunchedStep) of the step on the device
+        self._inflight: deque[tuple[SchedulerOutput, Any]] = deque()  # (SchedulerOutput, LaunchedStep) on the device, oldest first
         self._next: SchedulerOutput | None = None  # step k+1, scheduled while step k runs
 
     def _max_model_len(self, model, config: EngineConfig) -> int:
@@ -140,7 +147,7 @@ class LLMEngine:
         return self._output(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None or self._next is not None
+        return self.scheduler.has_unfinished() or bool(self._inflight) or self._next is not None
 
     def reset_prefix_cache(self) -> int:
         """Forget the prefix cache's unreferenced blocks (benchmarks: a cold start for every
@@ -164,29 +171,42 @@ class LLMEngine:
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """One turn of the pipeline: queue step k on the device, then, while it runs, read
-        back step k-1's tokens (stop checks, detokenization, outputs), advance the cache
-        bookkeeping of step k and schedule step k+1 (tokens step k is still sampling are fed
-        on the device as placeholders). Outputs therefore come one step late."""
+        back step k - pipeline_depth's tokens (stop checks, detokenization, outputs), advance
+        the cache bookkeeping of step k and schedule step k+1 (tokens the steps in flight are
+        still sampling are fed on the device as placeholders). Outputs therefore come
+        pipeline_depth steps late."""
+        timed = phase_times.ENABLED
+        t0 = time.perf_counter() if timed else 0.0
         sched = self._next if self._next is not None else self.scheduler.schedule()
         self._next = None
         inp = sched.step
         outputs: list[RequestOutput] = []
-        if self._inflight is not None and any(s.request.sampling.has_penalties for s in sched.scheduled):
-            outputs += self._drain()  # penalties read the token history: no overlap this step
+        if self._inflight and any(s.request.sampling.has_penalties for s in sched.scheduled):
+            outputs += self._drain(0)  # penalties read the token history: no overlap this step
         launched = None
         if not inp.is_empty():
+            t = time.perf_counter() if timed else 0.0
             launched = self._launch(sched)
-        was_inflight = self._inflight is not None
-        outputs += self._drain()
+            self._inflight.append((sched, launched))
+            if timed:
+                phase_times.add("engine.launch", t)
+        was_inflight = bool(self._inflight)
+        outputs += self._drain(self.pipeline_depth if launched is not None else 0)
+        t = time.perf_counter() if timed else 0.0
         if launched is not None:
-            self._inflight = (sched, launched)
             self.scheduler.update(sched)
         else:
             self._idle_step()
             if not was_inflight and self.scheduler.has_unfinished() and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
+        if timed:
+            phase_times.add("engine.update", t)
+            t = time.perf_counter()
         if self.scheduler.has_unfinished():
             self._next = self.scheduler.schedule()
+        if timed:
+            phase_times.add("engine.schedule", t)
+            phase_times.add("engine.step", t0)
         return outputs
 
     def _launch(self, sched: SchedulerOutput) -> Any:
@@ -196,11 +216,22 @@ class LLMEngine:
     def _idle_step(self) -> None:
         """A turn of the pipeline that launched nothing (service mode flushes its KV ops)."""
 
-    def _drain(self) -> list[RequestOutput]:
-        if self._inflight is None:
-            return []
-        (sched, launched), self._inflight = self._inflight, None
-        return self._process(sched, launched.result())
+    def _drain(self, keep: int) -> list[RequestOutput]:
+        """Read back the oldest steps in flight until `keep` remain."""
+        outputs: list[RequestOutput] = []
+        while len(self._inflight) > keep:
+            sched, launched = self._inflight.popleft()
+            if not phase_times.ENABLED:
+                result = launched.result()
+            else:
+                t = time.perf_counter()
+                result = launched.result()
+                phase_times.add("engine.wait", t)
+            t = time.perf_counter() if phase_times.ENABLED else 0.0
+            outputs += self._process(sched, result)
+            if phase_times.ENABLED:
+                phase_times.add("engine.process", t)
+        return outputs
 
     def _process(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         sampled = {t.seq_id: t for t in result.sampled}

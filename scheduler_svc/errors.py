@@ -95,7 +95,7 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps domain exceptions raised by unary-unary and unary-stream handlers to status codes."""
+    """Maps domain exceptions raised by unary-unary, unary-stream and stream-stream handlers to status codes."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -107,6 +107,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
         return handler
 
 

@@ -16,26 +16,27 @@ step's tokens are used only once both answers are in. Around them:
 - A KV service down while the model answered: the model's answer is kept with the step and
   used once a later commit gets through (the model step is not run twice).
 
-Pipelined (`async_scheduling: true` in the scheduler section; off by default): the model Step
-of step k is sent from a sender thread, and while the model service runs it this process
-reads back step k-1, schedules step k+1 (tokens still being sampled go as placeholders, which
-the model service resolves from its last sample) and sends it, so the model service always
-has the next step queued. Any failure with steps in flight drains them and recomputes every
-unfinished request (a model restart, a peer down, a KV resync alike): simpler than keeping
-two steps' retries apart, and greedy requests end with the same tokens.
+Pipelined (`async_scheduling: true` in the scheduler section; off by default): steps go to
+the model service over one StepStream, in order, without waiting. Step k is sent, then this
+process reads back step k-2, schedules step k+1 (tokens still being sampled go as
+placeholders, which the model service resolves from each sequence's latest sample) and sends
+it, so the model service always has the next step queued behind the one running. Any
+failure with steps in flight drains them and recomputes every unfinished request (a model
+restart, a peer down, a KV resync alike): simpler than keeping the retries of several steps
+apart, and greedy requests end with the same tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from kvcache_svc.client import KVClient, KVOutOfSync, KVUnavailable
 from kvcache_svc.ops import PoolConfig
-from model_svc.client import ModelRestarted, ModelUnavailable, RemoteModel
+from model_svc.client import ModelRestarted, ModelUnavailable, RemoteModel, StreamedStep
 from model_svc.step import StepInput, StepOutput
+from scheduler_svc import phase_times
 from scheduler_svc.config import EngineConfig
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.outputs import RequestOutput
@@ -55,7 +56,7 @@ class _RemoteStep:
     """A pipelined step in flight: its KV batch and model Step sent. result() waits for both
     (the KV answer first); once it returns or raises, nothing of the step is pending."""
 
-    def __init__(self, engine: "ServiceEngine", wait_kv: Callable[[], None], model: Future) -> None:
+    def __init__(self, engine: "ServiceEngine", wait_kv: Callable[[], None], model: StreamedStep) -> None:
         self.engine, self.wait_kv, self.model = engine, wait_kv, model
 
     def await_kv(self) -> None:
@@ -86,6 +87,12 @@ class _RemoteStep:
 
 
 class ServiceEngine(LLMEngine):
+    # Pipelined: two steps with the model service while one is read back. With one, the
+    # service received step k+1 only after step k's answer had reached this process and k+1
+    # had been scheduled (two round trips and both processes' per-step work): the device sat
+    # idle for that chain every step.
+    pipeline_depth = 2
+
     def __init__(self, config: EngineConfig, model: RemoteModel, kv: KVClient, tokenizer: Any) -> None:
         super().__init__(config, model=model, tokenizer=tokenizer, model_config=model.config, kv=kv)
         self.model: RemoteModel
@@ -98,7 +105,6 @@ class ServiceEngine(LLMEngine):
         self.num_steps = 0
         self.num_recoveries = 0
         self.pipelined = config.async_scheduling is True and config.num_scheduler_steps == 1
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-step") if self.pipelined else None
 
     def reset_prefix_cache(self) -> int:
         raise NotImplementedError("the KV-cache service owns the prefix index; restart it (or its store) for a cold cache")
@@ -166,19 +172,23 @@ class ServiceEngine(LLMEngine):
 
     def _launch(self, sched: SchedulerOutput) -> _RemoteStep:
         timeout = self._timeout(sched)
-        if self._inflight is not None:
-            self._inflight[1].await_kv()  # one KV batch in flight at a time
+        t = time.perf_counter() if phase_times.ENABLED else 0.0
+        if self._inflight:
+            self._inflight[-1][1].await_kv()  # one KV batch in flight at a time
+        if phase_times.ENABLED:
+            phase_times.add("engine.kv_wait", t)
         wait_kv = self.kv.start_commit(timeout)
-        return _RemoteStep(self, wait_kv, self._sender.submit(self.model.step, sched.step, timeout))
+        return _RemoteStep(self, wait_kv, self.model.launch(sched.step, timeout))
 
     def _idle_step(self) -> None:
         self.kv.commit()
 
     def _settle(self) -> None:
         """Wait for whatever is in flight (its outcome no longer matters) and forget it."""
-        inflight, self._inflight, self._next = self._inflight, None, None
-        if inflight is not None:
-            inflight[1].settle()
+        inflight, self._next = list(self._inflight), None
+        self._inflight.clear()
+        for _, step in inflight:
+            step.settle()
 
     def _abandon_pipeline(self, exc: Exception) -> None:
         """A peer failed with steps in flight: drop them and recompute every unfinished request

@@ -306,4 +306,5 @@ class Scheduler:
             if req.finished:
                 continue
             req.num_computed_tokens += s.num_new_tokens + out.step.num_steps - 1
-            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            # Steps still in flight may have fed tokens not read back yet: only known tokens hash.
+            self.kv.cache_blocks(req.request_id, req.token_ids, min(req.num_computed_tokens, req.num_tokens))

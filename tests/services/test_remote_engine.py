@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from concurrent.futures import Future
 
 import pytest
 
@@ -71,6 +72,16 @@ class ScriptedModel:
             self.known.add(s.seq_id)
         return StepOutput([SampledToken(s.seq_id, 3 + (zlib.crc32(s.seq_id.encode()) + s.start_pos + len(s.token_ids)) % 500)
                            for s in inp.seqs if s.sample])
+
+
+    def launch(self, inp: StepInput, timeout: float | None = None) -> Future:
+        """The pipelined engine's call: answered (or failed) at once."""
+        answer: Future = Future()
+        try:
+            answer.set_result(self.step(inp, timeout))
+        except Exception as exc:  # noqa: BLE001 - the step's failure, raised by result()
+            answer.set_exception(exc)
+        return answer
 
 
 def make_engine(model: ScriptedModel, pipelined: bool = False) -> tuple[ServiceEngine, KVCacheService]:

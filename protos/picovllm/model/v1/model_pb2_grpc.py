@@ -40,6 +40,11 @@ class ModelServiceStub:
                 request_serializer=protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.StepRequest.SerializeToString,
                 response_deserializer=protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/picovllm.model.v1.ModelService/StepStream',
+                request_serializer=protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.StepRequest.SerializeToString,
+                response_deserializer=protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/picovllm.model.v1.ModelService/GetInfo',
                 request_serializer=protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.GetInfoRequest.SerializeToString,
@@ -60,6 +65,16 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """Steps over one long-lived stream (the pipelined scheduler): run in the order sent and
+        answered in that order, so a caller can send the next steps before the running one's
+        answer. A step that fails ends the stream with the status Step would give it
+        (FAILED_PRECONDITION for another epoch); the steps sent after it are not answered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Model facts, pool sizes and the epoch.
         """
@@ -72,6 +87,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.StepRequest.FromString,
+                    response_serializer=protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.StepRequest.FromString,
                     response_serializer=protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.StepResponse.SerializeToString,
             ),
@@ -107,6 +127,33 @@ class ModelService:
             request,
             target,
             '/picovllm.model.v1.ModelService/Step',
+            protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.StepRequest.SerializeToString,
+            protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/picovllm.model.v1.ModelService/StepStream',
             protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.StepRequest.SerializeToString,
             protos_dot_picovllm_dot_model_dot_v1_dot_model__pb2.StepResponse.FromString,
             options,
