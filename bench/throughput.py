@@ -186,8 +186,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
-    ap.add_argument("--service-pipelined", action="store_true",
-                    help="service mode: the scheduler sends step k+1 while the model service runs step k")
+    ap.add_argument("--service-pipelined", action=argparse.BooleanOptionalAction, default=None,
+                    help="service mode: pipeline the model steps, two ahead (default: the service's own, on for a GPU)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)")
     ap.add_argument("--peer", choices=["hf"], default=None,
@@ -242,6 +242,7 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         svc, services = run_service(args, config_path, model if runner.random_weights else None)
+        svc_pipelined = svc.engine.pipelined
         del model
         try:
             svc_seconds, svc_out, svc_steps, _ = timed_generate(svc, prompts, params, torch.device("cpu"), cold_cache=False, warmup=args.warmup)
@@ -254,7 +255,7 @@ def main() -> None:
                            "", "Phase times, service run, model service:", *phase_times.table(model_phases, svc_steps)]
         svc_tok_s = svc_out / svc_seconds
         ratio = f"{svc_tok_s / sync_tok_s:.1%} of embedded synchronous" + (f", {svc_tok_s / tok_s:.1%} of embedded overlapped" if overlapped else "")
-        extra_rows.append(f"| service (3 processes, gRPC{', pipelined' if args.service_pipelined else ''}) | {svc_out} | {svc_seconds:.2f} | {svc_tok_s:,.0f} | | {ratio} | "
+        extra_rows.append(f"| service (3 processes, gRPC{', pipelined' if svc_pipelined else ''}) | {svc_out} | {svc_seconds:.2f} | {svc_tok_s:,.0f} | | {ratio} | "
                           f"{svc_steps} | |")
     roof = roofline_tok_s(runner_config, [len(p) for p in prompts], [p.max_tokens for p in params], bw, fl) if dev.type == "cuda" else float("nan")
     lines = [

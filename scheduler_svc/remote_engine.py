@@ -16,7 +16,8 @@ step's tokens are used only once both answers are in. Around them:
 - A KV service down while the model answered: the model's answer is kept with the step and
   used once a later commit gets through (the model step is not run twice).
 
-Pipelined (`async_scheduling: true` in the scheduler section; off by default): steps go to
+Pipelined (`async_scheduling` in the scheduler section; by default on when the model service
+runs on a GPU): steps go to
 the model service over one StepStream, in order, without waiting. Step k is sent, then this
 process reads back step k-2, schedules step k+1 (tokens still being sampled go as
 placeholders, which the model service resolves from each sequence's latest sample) and sends
@@ -104,7 +105,10 @@ class ServiceEngine(LLMEngine):
         self._restarted = False  # the model came back empty: recompute before the next step
         self.num_steps = 0
         self.num_recoveries = 0
-        self.pipelined = config.async_scheduling is True and config.num_scheduler_steps == 1
+        pipelined = config.async_scheduling
+        if pipelined is None:  # as embedded mode: on when the steps run on a GPU
+            pipelined = model.info is not None and model.info.device.startswith("cuda")
+        self.pipelined = bool(pipelined) and config.num_scheduler_steps == 1
 
     def reset_prefix_cache(self) -> int:
         raise NotImplementedError("the KV-cache service owns the prefix index; restart it (or its store) for a cold cache")

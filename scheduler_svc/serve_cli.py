@@ -51,8 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for flag, (section, key, typ) in FLAGS.items():
         p.add_argument(flag, type=typ, default=None, help=f"{section}.{key}")
     p.add_argument("--no-prefix-caching", action="store_true", help="scheduler.enable_prefix_caching = false")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="scheduler.async_scheduling = true: schedule step k+1 while the model service runs step k")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="scheduler.async_scheduling: pipeline the model steps, two ahead (default: on when the model service runs on a GPU)")
     p.add_argument("--listen", default=None, help="bind this address instead of the service's own (e.g. 0.0.0.0:50052 in a container)")
     p.set_defaults(func=cmd_serve)
 
@@ -65,8 +65,8 @@ def config_from_args(args: argparse.Namespace):
         overrides[section][key] = getattr(args, flag[2:].replace("-", "_"))
     if args.no_prefix_caching:
         overrides["scheduler"]["enable_prefix_caching"] = False
-    if args.async_scheduling:
-        overrides["scheduler"]["async_scheduling"] = True
+    if args.async_scheduling is not None:
+        overrides["scheduler"]["async_scheduling"] = args.async_scheduling
     return load_config(args.config, overrides)
 
 
@@ -80,8 +80,8 @@ def child_argv(args: argparse.Namespace, kind: str) -> list[str]:
             argv += [flag, str(value)]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
-    if args.async_scheduling:
-        argv.append("--async-scheduling")
+    if args.async_scheduling is not None:
+        argv.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     return argv
 
 

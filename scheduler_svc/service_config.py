@@ -59,7 +59,7 @@ class SchedulerSection:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps per model call
-    async_scheduling: bool = False  # pipeline the model Step: schedule step k+1 while the model runs step k
+    async_scheduling: bool | None = None  # pipeline the model steps (two ahead); None: on when the model service runs on a GPU
     rpc_timeout_s: float = 30.0  # one internal call, when no client deadline is shorter
     retry_window_s: float = 1.0  # how long one engine step retries a peer that is down
     startup_timeout_s: float = 600.0  # waiting for the peers at start
