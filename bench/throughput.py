@@ -186,6 +186,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
+    ap.add_argument("--pipeline-depth", type=int, default=None,
+                    help="overlapped scheduling: steps in flight before the oldest is read back (default: the engine's, 2)")
     ap.add_argument("--service-pipelined", action=argparse.BooleanOptionalAction, default=None,
                     help="service mode: pipeline the model steps, two ahead (default: the service's own, on for a GPU)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
@@ -211,6 +213,8 @@ def main() -> None:
         parity = check_parity(args.model, args.device, args.dtype, near_tie=1e-2)
         print("\n".join(parity))
     llm, runner = run_embedded(args)
+    if args.pipeline_depth is not None:
+        llm.engine.pipeline_depth = args.pipeline_depth
     bw, fl = copy_bandwidth(dev), matmul_flops(dev)  # before any other process shares the device
     counters, runs, run_notes = RunCounters(), [], []
     for _ in range(max(1, args.repeats)):
@@ -223,7 +227,7 @@ def main() -> None:
     if phase_times.ENABLED:
         phase_rows += ["", f"Phase times, last embedded run ({runs[-1][2]} steps):", *phase_times.table(phase_times.snapshot(), runs[-1][2])]
     tok_s = num_out / seconds
-    overlapped = llm.engine.async_scheduling
+    overlapped, llm_depth = llm.engine.async_scheduling, llm.engine.pipeline_depth
     num_device_blocks, runner_config, graphs = runner.num_device_blocks, runner.config, runner.graphs is not None
     extra_rows = []
     if args.peer == "hf":
@@ -243,6 +247,8 @@ def main() -> None:
             torch.cuda.empty_cache()
         svc, services = run_service(args, config_path, model if runner.random_weights else None)
         svc_pipelined = svc.engine.pipelined
+        if args.pipeline_depth is not None:
+            svc.engine.pipeline_depth = args.pipeline_depth
         del model
         try:
             svc_seconds, svc_out, svc_steps, _ = timed_generate(svc, prompts, params, torch.device("cpu"), cold_cache=False, warmup=args.warmup)
@@ -268,7 +274,7 @@ def main() -> None:
         "",
         f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s, "
         f"device blocks {num_device_blocks}, kernels {runner.ops.name}, cuda graphs {graphs}, "
-        f"scheduler steps {args.num_scheduler_steps}, overlapped scheduling {overlapped}",
+        f"scheduler steps {args.num_scheduler_steps}, overlapped scheduling {overlapped} (pipeline depth {llm_depth})",
     ]
     if phase_rows:
         lines += ["", "(phase tables: PICOVLLM_PHASE_TIMES was set; wall time per phase of each process, see scheduler_svc/phase_times.py)", *phase_rows]

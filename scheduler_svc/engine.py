@@ -49,9 +49,9 @@ class _Stream:
 
 class LLMEngine:
     # Steps in flight under overlapped scheduling: step k is queued before step k - depth is
-    # read back. In process, one step ahead hides the host's work; a remote model service
-    # also needs the round trips hidden (ServiceEngine).
-    pipeline_depth = 1
+    # read back, so the device has the next step queued even when the host's work for one
+    # step (read back, stop checks, schedule, prepare, launch) is longer than a short step.
+    pipeline_depth = 2
 
     def __init__(self, config: EngineConfig, model: ModelClient | None = None, tokenizer=None, model_config=None, kv=None) -> None:
         self.config = config

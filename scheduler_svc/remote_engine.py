@@ -88,12 +88,6 @@ class _RemoteStep:
 
 
 class ServiceEngine(LLMEngine):
-    # Pipelined: two steps with the model service while one is read back. With one, the
-    # service received step k+1 only after step k's answer had reached this process and k+1
-    # had been scheduled (two round trips and both processes' per-step work): the device sat
-    # idle for that chain every step.
-    pipeline_depth = 2
-
     def __init__(self, config: EngineConfig, model: RemoteModel, kv: KVClient, tokenizer: Any) -> None:
         super().__init__(config, model=model, tokenizer=tokenizer, model_config=model.config, kv=kv)
         self.model: RemoteModel

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU results of bench/results/ in parts that each fit one ten-minute run.
-# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|all]
+# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|all]
 #   a: GPU tests and numerics, greedy parity (bf16 Qwen3-0.6B shape), per-phase device times
 #      (B=1 and B=256), host profile of the engine step
 #   b: headline throughput embedded + service mode (with the parity check), batch-1 latency,
@@ -9,8 +9,9 @@
 #      synchronous scheduling, swap vs recompute, service mode with the pipelined scheduler
 #   p: a quick look: GPU tests, parity, batch-1 profile and latency, throughput embedded and pipelined service
 #   q: after kernel changes: GPU numerics, parity, batch-1 profile + latency, projections, headline
-#   f: one call for a session's figures: GPU tests, headline embedded and service (pipelined,
-#      with the parity check), batch-1 latency, swap, prefix
+#   f: a session's headline figures: GPU tests, embedded (pipeline depth 2, and 1 for
+#      comparison), service mode (pipelined, with the parity check)
+#   g: batch-1 latency, swap vs recompute, prefix caching
 #   d: transformers' continuous batching on the headline workload (BENCHMARKS.md: ~618 tok/s)
 set -uo pipefail
 out="${1:-bench/results}"
@@ -60,11 +61,13 @@ if has q; then  # after kernel changes: numerics on the GPU, parity, batch-1 lat
   TAIL=30 run linear 90 python bench/linear.py --rows 1,2,4,8 --out "$out/linear_h200.md"
   run throughput 150 python bench/throughput.py --repeats 3 --out "$out/throughput_h200.md"
 fi
-if has f; then  # the figures of one session in one call: tests, then the committed results
+if has f; then  # a session's headline figures in one call: tests, embedded (depth 2 and 1), service
   run gpu-tests 120 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
-  run gpu-kernel-numerics 60 python -m pytest -q -x tests/kernels/test_linear.py tests/kernels/test_fused.py tests/kernels/test_kernels.py -k "gemv or store or decode_last or counters"
-  run throughput 130 python bench/throughput.py --repeats 3 --out "$out/throughput_h200.md"
-  run throughput-service 240 python bench/throughput.py --check --mode service --service-pipelined --out "$out/throughput_h200_service.md"
+  run throughput 150 python bench/throughput.py --repeats 3 --warmup workload --out "$out/throughput_h200.md"
+  run throughput-depth-1 90 python bench/throughput.py --warmup workload --pipeline-depth 1
+  run throughput-service 200 python bench/throughput.py --check --mode service --warmup workload --out "$out/throughput_h200_service.md"
+fi
+if has g; then  # the rest of a session's figures: batch-1 latency, swap, prefix caching
   run latency 70 python bench/latency.py --out "$out/latency_h200.md"
   run swap 90 python bench/swap.py --out "$out/swap_h200.md"
   run prefix 60 python bench/prefix.py --out "$out/prefix_h200.md"
