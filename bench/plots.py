@@ -21,6 +21,8 @@ HISTORY = [
     ("v6 sync", 15414),
     ("v6 overlapped\n(repeats had\nprompts cached)", 22615),
     ("v9 gemv, fused\nsampler, cold\ncache each run", 24001),
+    ("v10 two steps\nin flight", 24035),
+    ("v10 service\nmode (3 procs)", 23961),
 ]
 
 
@@ -92,7 +94,7 @@ def throughput_plot(results: Path, out: Path) -> Path:
 
     text = (results / "throughput_h200.md").read_text()
     roof = number(table_rows(text, "| mode |")[0][4])
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     ax.bar([label for label, _ in HISTORY], [v for _, v in HISTORY], color="tab:blue")
     for i, (_, v) in enumerate(HISTORY):
         ax.text(i, v + 300, f"{v:,}", ha="center", fontsize=8)
