@@ -269,7 +269,7 @@ def main() -> None:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         f"| embedded | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | {embedded_steps} | {embedded_preemptions} |",
         *extra_rows,
-        *([f"", f"repeats in one process (tok/s, in order): {', '.join(f'{r[1] / r[0]:,.0f}' for r in runs)}"] if len(runs) > 1 else []),
+        *(["", f"repeats in one process (tok/s, in order): {', '.join(f'{r[1] / r[0]:,.0f}' for r in runs)}"] if len(runs) > 1 else []),
         "", f"each run ({args.warmup} warm-up before it):", *run_notes,
         "",
         f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s, "
