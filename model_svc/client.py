@@ -119,11 +119,9 @@ class RemoteModel:
 
     def step(self, inp: StepInput, timeout: float | None = None) -> StepOutput:
         info = self._info
-        timed = phase_times.ENABLED
-        t0 = time.perf_counter() if timed else 0.0
+        t = phase_times.start()
         request = convert.step_to_pb(inp, info.epoch, info.columnar_step)
-        if timed:
-            phase_times.add("client.encode", t0)
+        phase_times.add("client.encode", t)
         start = time.monotonic()
         t = self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
         try:
@@ -133,13 +131,7 @@ class RemoteModel:
         finally:
             self.step_seconds += time.monotonic() - start
         self.num_steps += 1
-        if not timed:
-            return convert.output_from_pb(resp)
-        t1 = time.perf_counter()
-        out = convert.output_from_pb(resp)
-        phase_times.add("client.decode", t1)
-        phase_times.add("client.step", t0)
-        return out
+        return _output(resp)
 
     def launch(self, inp: StepInput, timeout: float | None = None) -> "StreamedStep":
         """Send the step over the service's step stream without waiting (the pipelined
@@ -153,6 +145,13 @@ class RemoteModel:
         if self._stream is not None:
             self._stream.close()
         self.channel.close()
+
+
+def _output(response: pb.StepResponse) -> StepOutput:
+    t = phase_times.start()
+    out = convert.output_from_pb(response)
+    phase_times.add("client.decode", t)
+    return out
 
 
 def _stream_error(err: grpc.RpcError, address: str) -> Exception:
@@ -176,6 +175,7 @@ class _StepStream:
         self._lock = threading.Lock()
         self._pending: deque[Future] = deque()
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = None
         try:  # a service that is down: fail now (the engine retries on its next step)
             grpc.channel_ready_future(model.channel).result(timeout=model.retry_window_s)
         except grpc.FutureTimeoutError:
@@ -218,9 +218,8 @@ class _StepStream:
 
     def close(self) -> None:
         self._requests.put(None)  # the end of the request iterator
-        call = getattr(self, "_call", None)
-        if call is not None:
-            call.cancel()
+        if self._call is not None:
+            self._call.cancel()
 
 
 class StreamedStep:
@@ -238,9 +237,4 @@ class StreamedStep:
             self.stream.fail(ModelUnavailable(f"model {self.model.address}: no answer to a step within {t:.2f} s"))
             response = self.answer.result()  # raises the failure just set
         self.model.num_steps += 1
-        if not phase_times.ENABLED:
-            return convert.output_from_pb(response)
-        t1 = time.perf_counter()
-        out = convert.output_from_pb(response)
-        phase_times.add("client.decode", t1)
-        return out
+        return _output(response)

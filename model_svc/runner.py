@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -199,14 +198,13 @@ class ModelRunner:
         self.pools.swap_in(inp.swap_in)
         if not inp.seqs:
             return LaunchedStep(self, [], None)
-        t = time.perf_counter() if phase_times.ENABLED else 0.0
+        t = phase_times.start()
         with self._state_lock:
             for s in inp.seqs:
                 self._update_seq(s)
         seqs = _longest_first(inp.seqs)
         input_ids, positions, meta, sample_rows = self._prepare(seqs)
-        if phase_times.ENABLED:
-            phase_times.add("runner.prepare", t)
+        phase_times.add("runner.prepare", t)
         if inp.num_steps > 1:
             return self._multi_step(inp.num_steps, seqs, input_ids, positions, meta)
         hidden = self._forward(input_ids, positions, meta)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -127,7 +126,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
-        self.executor.submit(self._launch, request, loop, answer, time.perf_counter())
+        self.executor.submit(self._launch, request, loop, answer, phase_times.start())
         return await answer
 
     async def StepStream(self, request_iterator, context) -> AsyncIterator[pb.StepResponse]:
@@ -141,7 +140,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             try:
                 async for request in request_iterator:
                     answer = loop.create_future()
-                    self.executor.submit(self._launch, request, loop, answer, time.perf_counter())
+                    self.executor.submit(self._launch, request, loop, answer, phase_times.start())
                     answers.put_nowait(answer)
             except (asyncio.CancelledError, grpc.RpcError):  # the caller went away
                 pass
@@ -157,18 +156,14 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
 
     def _launch(self, request: pb.StepRequest, loop: asyncio.AbstractEventLoop, answer: asyncio.Future, received: float) -> None:
         """On the launch thread."""
-        timed = phase_times.ENABLED
         try:
-            if timed:
-                phase_times.add("model.queued", received)
-                t = time.perf_counter()
-                inp = convert.step_from_pb(request)
-                phase_times.add("model.decode", t)
-                t = time.perf_counter()
-                launched = self.service.launch(request.expected_epoch, inp)
-                phase_times.add("model.launch", t)
-            else:
-                launched = self.service.launch(request.expected_epoch, convert.step_from_pb(request))
+            phase_times.add("model.queued", received)
+            t = phase_times.start()
+            inp = convert.step_from_pb(request)
+            phase_times.add("model.decode", t)
+            t = phase_times.start()
+            launched = self.service.launch(request.expected_epoch, inp)
+            phase_times.add("model.launch", t)
             self.readback.submit(self._read_back, launched, request.columnar_answer, loop, answer)
         except BaseException as exc:  # noqa: BLE001 - raised in the handler (the interceptor maps it)
             _settle(loop, answer, None, exc)
@@ -176,15 +171,12 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     def _read_back(self, launched: Any, columnar: bool, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
         """On the readback thread."""
         try:
-            if phase_times.ENABLED:
-                t = time.perf_counter()
-                out = launched.result()
-                phase_times.add("model.wait", t)
-                t = time.perf_counter()
-                resp = convert.output_to_pb(out, self.service.epoch, columnar)
-                phase_times.add("model.encode", t)
-            else:
-                resp = convert.output_to_pb(launched.result(), self.service.epoch, columnar)
+            t = phase_times.start()
+            out = launched.result()
+            phase_times.add("model.wait", t)
+            t = phase_times.start()
+            resp = convert.output_to_pb(out, self.service.epoch, columnar)
+            phase_times.add("model.encode", t)
         except BaseException as exc:  # noqa: BLE001
             _settle(loop, answer, None, exc)
             return

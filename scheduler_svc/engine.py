@@ -175,8 +175,7 @@ class LLMEngine:
         the cache bookkeeping of step k and schedule step k+1 (tokens the steps in flight are
         still sampling are fed on the device as placeholders). Outputs therefore come
         pipeline_depth steps late."""
-        timed = phase_times.ENABLED
-        t0 = time.perf_counter() if timed else 0.0
+        t0 = phase_times.start()
         sched = self._next if self._next is not None else self.scheduler.schedule()
         self._next = None
         inp = sched.step
@@ -185,28 +184,25 @@ class LLMEngine:
             outputs += self._drain(0)  # penalties read the token history: no overlap this step
         launched = None
         if not inp.is_empty():
-            t = time.perf_counter() if timed else 0.0
+            t = phase_times.start()
             launched = self._launch(sched)
             self._inflight.append((sched, launched))
-            if timed:
-                phase_times.add("engine.launch", t)
+            phase_times.add("engine.launch", t)
         was_inflight = bool(self._inflight)
         outputs += self._drain(self.pipeline_depth if launched is not None else 0)
-        t = time.perf_counter() if timed else 0.0
+        t = phase_times.start()
         if launched is not None:
             self.scheduler.update(sched)
         else:
             self._idle_step()
             if not was_inflight and self.scheduler.has_unfinished() and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
-        if timed:
-            phase_times.add("engine.update", t)
-            t = time.perf_counter()
+        phase_times.add("engine.update", t)
+        t = phase_times.start()
         if self.scheduler.has_unfinished():
             self._next = self.scheduler.schedule()
-        if timed:
-            phase_times.add("engine.schedule", t)
-            phase_times.add("engine.step", t0)
+        phase_times.add("engine.schedule", t)
+        phase_times.add("engine.step", t0)
         return outputs
 
     def _launch(self, sched: SchedulerOutput) -> Any:
@@ -221,16 +217,12 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         while len(self._inflight) > keep:
             sched, launched = self._inflight.popleft()
-            if not phase_times.ENABLED:
-                result = launched.result()
-            else:
-                t = time.perf_counter()
-                result = launched.result()
-                phase_times.add("engine.wait", t)
-            t = time.perf_counter() if phase_times.ENABLED else 0.0
+            t = phase_times.start()
+            result = launched.result()
+            phase_times.add("engine.wait", t)
+            t = phase_times.start()
             outputs += self._process(sched, result)
-            if phase_times.ENABLED:
-                phase_times.add("engine.process", t)
+            phase_times.add("engine.process", t)
         return outputs
 
     def _process(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:

@@ -3,8 +3,12 @@ its time in each process, and how long each side waits for the other.
 
 Off unless the environment variable PICOVLLM_PHASE_TIMES names a file; each process that
 records then writes `<file>.<role>.json` (totals in seconds and counts per phase) every
-`DUMP_EVERY` records of its `tick` phase and at exit. The hot paths pay one global check when
-it is off.
+`DUMP_EVERY` records of its `tick` phase and at exit. Off, `start` and `add` return at once: the
+hot paths pay two calls per phase.
+
+    t = phase_times.start()
+    ...                                  # the phase
+    phase_times.add("engine.schedule", t)
 """
 
 from __future__ import annotations
@@ -32,9 +36,16 @@ def configure(role: str, tick: str) -> None:
     _role, _tick = role, tick
 
 
-def add(name: str, start: float) -> None:
-    """Record the time since `start` (a time.perf_counter() value) under `name`."""
-    seconds = time.perf_counter() - start
+def start() -> float:
+    """The clock for `add` (0.0 when off)."""
+    return time.perf_counter() if ENABLED else 0.0
+
+
+def add(name: str, since: float) -> None:
+    """Record the time since `since` (a `start()` value) under `name`."""
+    if not ENABLED:
+        return
+    seconds = time.perf_counter() - since
     with _lock:
         _totals[name] = _totals.get(name, 0.0) + seconds
         n = _counts[name] = _counts.get(name, 0) + 1

@@ -170,11 +170,10 @@ class ServiceEngine(LLMEngine):
 
     def _launch(self, sched: SchedulerOutput) -> _RemoteStep:
         timeout = self._timeout(sched)
-        t = time.perf_counter() if phase_times.ENABLED else 0.0
+        t = phase_times.start()
         if self._inflight:
             self._inflight[-1][1].await_kv()  # one KV batch in flight at a time
-        if phase_times.ENABLED:
-            phase_times.add("engine.kv_wait", t)
+        phase_times.add("engine.kv_wait", t)
         wait_kv = self.kv.start_commit(timeout)
         return _RemoteStep(self, wait_kv, self.model.launch(sched.step, timeout))
 
