@@ -48,7 +48,7 @@ class _SeqState:
     num_blocks: int = 0
     token_ids: list[int] = field(default_factory=list)  # every token fed, by position
     generator: torch.Generator | None = None
-    sampled: bool = False  # a launched step sampled it: a placeholder can stand for its latest token
+    sampled: bool = False  # a launched step samples it: a placeholder can stand for its latest token
 
 
 class ModelRunner:
@@ -216,7 +216,7 @@ class ModelRunner:
         states = [self.seqs[s.seq_id] for s in seqs]
         result = self.sampler(logits, self._sampling_batch(states))
         table_rows = self._rows if len(seqs) == len(inp.seqs) else self._h2d(np.asarray([st.row for st in states], dtype=np.int64))
-        self._remember_sampled(states, table_rows, result.token_ids)
+        self._remember_sampled(table_rows, result.token_ids)
         return LaunchedStep(self, seqs, result.token_ids[:, None], result)
 
     def _sampling_batch(self, states: list["_SeqState"]) -> SamplingBatch:
@@ -238,21 +238,20 @@ class ModelRunner:
         self._batch_cache = None if penalties else (params, gens, batch)
         return batch
 
-    def _fill_placeholders(self, ids_dev: torch.Tensor, placeholders: np.ndarray, seqs: list[SeqStep], seq_index: np.ndarray) -> None:
-        """Decode inputs the host did not know: each sequence's latest sampled token (stream
-        order puts every launched step's sample before this step's read)."""
-        states = [self.seqs[seqs[b].seq_id] for b in seq_index[placeholders].tolist()]
-        if not all(st.sampled for st in states):
-            raise ValueError("a placeholder token for a sequence that has not been sampled yet")
-        rows = np.asarray([st.row for st in states], dtype=placeholders.dtype)
-        index = self._h2d(np.concatenate([placeholders, rows]))
-        ids_dev[index[: len(rows)]] = self._last_token[index[len(rows) :]]
+    def _fill_placeholders(self, ids_dev: torch.Tensor, placeholders: np.ndarray, seq_index: np.ndarray) -> None:
+        """Decode inputs the host did not know: each sequence's latest sampled token, read at
+        its row (stream order puts every launched step's sample before this step's read;
+        _update_seq refused placeholders of sequences never sampled)."""
+        n = len(placeholders)
+        index = self._h2d(np.concatenate([placeholders, seq_index[placeholders]]))
+        ids_dev[index[:n]] = self._last_token[self._rows[index[n:]]]
 
     def _h2d(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, None, self.device, self.pinned_inputs)
 
-    def _remember_sampled(self, states: list[_SeqState], rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Record each sampled sequence's token at its row (rows: device, in states' order)."""
+    def _remember_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Record each sampled sequence's token at its block-table row (rows: device, in
+        token_ids' order)."""
         capacity = self.block_tables.table.shape[0]
         if self._last_token is None or self._last_token.numel() < capacity:
             grown = torch.zeros(capacity, dtype=torch.int64, device=self.device)
@@ -260,8 +259,6 @@ class ModelRunner:
                 grown[: self._last_token.numel()] = self._last_token
             self._last_token = grown
         self._last_token[rows] = token_ids.reshape(-1).to(torch.int64)
-        for st in states:
-            st.sampled = True
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.graphs is not None and meta.is_decode and self.graphs.can_run(input_ids.shape[0], meta.block_tables.shape[1]):
@@ -288,7 +285,7 @@ class ModelRunner:
                     slot_mapping=block * bs + positions % bs, block_tables=meta.block_tables, seq_lens=meta.seq_lens + 1,
                     cu_seqlens_q=meta.cu_seqlens_q, is_decode=True,
                 )
-        self._remember_sampled([self.seqs[s.seq_id] for s in seqs], self._rows, input_ids)
+        self._remember_sampled(self._rows, input_ids)
         return LaunchedStep(self, seqs, torch.stack(sampled, dim=1))  # (B, num_steps)
 
     def _update_seq(self, s: SeqStep) -> None:
@@ -307,8 +304,12 @@ class ModelRunner:
             state.num_blocks = s.table_start + len(s.table_blocks)
         fed = s.token_ids
         end = s.start_pos + len(fed)
-        if fed and fed[-1] == PLACEHOLDER and len(state.token_ids) >= end:
-            fed = fed[:-1] + [state.token_ids[end - 1]]  # its result was already read back
+        if fed and fed[-1] == PLACEHOLDER:
+            if not state.sampled:
+                raise ValueError(f"sequence {s.seq_id!r}: a placeholder token, but no step has sampled it yet")
+            if len(state.token_ids) >= end:
+                fed = fed[:-1] + [state.token_ids[end - 1]]  # its result was already read back
+        state.sampled |= s.sample
         del state.token_ids[s.start_pos:]
         if len(state.token_ids) < s.start_pos:  # history unknown (restart): pad, positions matter
             state.token_ids.extend([-1] * (s.start_pos - len(state.token_ids)))
@@ -346,9 +347,10 @@ class ModelRunner:
         bs = self.block_size
         slots[:] = tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs  # on the host: no kernels
         packed_dev = self._h2d(packed)
+        self._rows = packed_dev[3 * num_tokens + 2 * num_seqs + 1 :]
         placeholders = np.flatnonzero(ids == PLACEHOLDER)
         if placeholders.size:
-            self._fill_placeholders(packed_dev[:num_tokens], placeholders, seqs, seq_index)
+            self._fill_placeholders(packed_dev[:num_tokens], placeholders, seq_index)
         block_tables = self._h2d(tables)
         t = num_tokens
         meta = AttentionMetadata(
@@ -359,7 +361,6 @@ class ModelRunner:
             is_decode=num_tokens == num_seqs,
         )
         ids_dev, pos_dev = packed_dev[:t], packed_dev[t : 2 * t]
-        self._rows = packed_dev[3 * t + 2 * num_seqs + 1 :]
         return ids_dev, pos_dev, meta, sample_rows
 
 
