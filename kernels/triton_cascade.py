@@ -56,11 +56,8 @@ from kernels.triton_common import (
     fix_bf16_rounding,
     interpreting,
     load_rows,
-    mma,
-    mma_pv,
     next_pow2,
     num_sms,
-    softmax_step,
     split_p,
     upcast_dot,
 )
@@ -70,6 +67,7 @@ from kernels.triton_decode import (
     DecodeConfig,
     _arrival_counters,
     _combine_group,
+    attend_pages,
     default_decode_config,
     pick_num_splits,
 )
@@ -156,7 +154,6 @@ def _prefix_kernel(
     end = tl.minimum(start + chunk, prefix_len)
     if start < end:  # chunks past a prefix shorter than the bound (or than the chunks' minimum) return
         offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
         d_mask = offs_d < HEAD_DIM
@@ -168,27 +165,13 @@ def _prefix_kernel(
         q = load_rows(q_ptr + (seq * stride_qb + q_head * stride_qh)[:, None] + offs_d[None, :],
                       row_mask, d_mask, True, D_MASK)  # (BLOCK_M, BLOCK_D)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
-        v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-
         # Every row of the block table starts with the prefix's blocks: row 0 stands for all.
         # Every tile holds at least one key (n0 < end), so no row's running max stays -inf.
-        for n0 in range(start, end, BLOCK_N):
-            tok = n0 + offs_n
-            t_mask = tok < end
-            block = tl.load(block_tables_ptr + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-            slot = tok % PAGE
-            k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                          t_mask, d_mask, True, D_MASK)  # (BLOCK_N, BLOCK_D)
-            qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
-            qk = tl.where(t_mask[None, :], qk, float("-inf"))
-            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-            v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                          t_mask, d_mask, True, D_MASK)
-            acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
+        acc, m_i, l_i = attend_pages(
+            q, block_tables_ptr, k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
+            start, end, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+            BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
+        )
 
         part = (seq * num_q_heads + q_head) * num_parts + chunk_id  # (BLOCK_M,)
         tl.store(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc / l_i[:, None],
@@ -229,10 +212,8 @@ def _suffix_kernel(
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     q_heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
-    D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
     d_mask = offs_d < HEAD_DIM
 
     if split < suffix_used:
@@ -240,25 +221,12 @@ def _suffix_kernel(
             q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
             mask=g_mask[:, None] & d_mask[None, :], other=0.0,
         )  # (GROUP_PAD, BLOCK_D)
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
-        v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-        for n0 in range(start, end, BLOCK_N):
-            tok = n0 + offs_n
-            t_mask = tok < end
-            block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-            slot = tok % PAGE
-            k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                          t_mask, d_mask, True, D_MASK)  # (BLOCK_N, BLOCK_D)
-            qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (GROUP_PAD, BLOCK_N)
-            qk = tl.where(t_mask[None, :], qk, float("-inf"))
-            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-            v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                          t_mask, d_mask, True, D_MASK)
-            acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
+        acc, m_i, l_i = attend_pages(
+            q, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh, start, end,
+            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+            GROUP_PAD, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
+        )
         # A used split holds at least one key: l_i > 0. Suffix partials follow the prefix ones.
         row = (seq.to(tl.int64) * num_q_heads + q_heads) * num_parts + prefix_used + split  # (GROUP_PAD,)
         tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc / l_i[:, None], mask=g_mask[:, None])

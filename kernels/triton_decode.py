@@ -97,6 +97,40 @@ def pick_num_splits(
     return max(1, splits)
 
 
+@triton.jit
+def attend_pages(
+    q, table, k_head, v_head, start, end,
+    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
+):
+    """Online softmax of the query rows `q` (ROWS, BLOCK_D) over the tokens [start, end) of one
+    KV head, read through a block table (`table`: the row of page ids; `k_head`/`v_head`: the
+    caches offset to the head). Returns the unnormalised (acc, running max, sum), log2 scale.
+    The loop of the decode kernel and of both cascade kernels."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
+    d_mask = offs_d < HEAD_DIM
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        t_mask = tok < end
+        block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
+        slot = tok % PAGE
+        k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                      t_mask, d_mask, True, D_MASK)  # (BLOCK_N, BLOCK_D)
+        qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (ROWS, BLOCK_N)
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
+        v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                      t_mask, d_mask, True, D_MASK)
+        acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # eager batches have a per-step table width
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
@@ -124,10 +158,8 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     q_heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
-    D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
     d_mask = offs_d < HEAD_DIM
 
     q = tl.load(
@@ -135,26 +167,12 @@ def _decode_split_kernel(
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
     )  # (GROUP_PAD, BLOCK_D)
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
-    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + offs_n
-        t_mask = tok < end
-        block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-        slot = tok % PAGE
-        k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK)  # (BLOCK_N, BLOCK_D)
-        qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (GROUP_PAD, BLOCK_N)
-        qk = tl.where(t_mask[None, :], qk, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-        v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK)
-        acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
+    acc, m_i, l_i = attend_pages(
+        q, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh, start, end,
+        stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+        GROUP_PAD, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
+    )
 
     if DIRECT:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # seq_len 0 (padding rows): zeros
