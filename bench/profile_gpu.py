@@ -96,7 +96,7 @@ def _event_ms(fn, n: int = 50) -> float:
 
 def replay_ms(runner, batch: int) -> float:
     bucket = next(b for b in runner.graphs.buckets if b >= batch)
-    return _event_ms(runner.graphs.graphs[bucket].replay)
+    return _event_ms(runner.graphs.graphs[(bucket, False)].replay)
 
 
 def logits_sample_ms(runner, batch: int, temperature: float) -> float:

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kvcache_ref
+from kernels.reference import cascade_decode_attention_ref, paged_decode_attention_ref, paged_prefill_attention_ref, store_kvcache_ref
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,9 +22,11 @@ class KernelOps:
     store_kvcache: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
+    cascade_decode_attention: Callable[..., torch.Tensor]  # decode reading a shared prefix once
 
 
-REFERENCE_OPS = KernelOps("torch", store_kvcache_ref, paged_decode_attention_ref, paged_prefill_attention_ref)
+REFERENCE_OPS = KernelOps("torch", store_kvcache_ref, paged_decode_attention_ref, paged_prefill_attention_ref,
+                          cascade_decode_attention_ref)
 
 
 def select_ops(device: torch.device | str, backend: str | None = None) -> KernelOps:

@@ -83,6 +83,21 @@ def paged_decode_attention_ref(
     return out
 
 
+def cascade_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    prefix_blocks: torch.Tensor,  # (1,) int32: leading table entries every row shares
+    max_prefix_blocks: int,  # host-known bound of prefix_blocks
+) -> torch.Tensor:
+    """Decode attention of a batch whose block tables share their first prefix_blocks entries:
+    the same result as paged_decode_attention_ref (the fast path reads the shared prefix once)."""
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
 def paged_prefill_attention_ref(
     q: torch.Tensor,  # (Nq, Hq, D): new tokens of all sequences, flattened in batch order
     k_cache: torch.Tensor,

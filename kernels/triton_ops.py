@@ -3,6 +3,7 @@
     store_kvcache            kernels.triton_store    write new K/V at a slot mapping
     paged_decode_attention   kernels.triton_decode   split-KV decode, GQA heads packed per KV head
     paged_prefill_attention  kernels.triton_prefill  causal flash attention over a paged prefix
+    cascade_decode_attention kernels.triton_cascade  decode reading a batch's shared prefix once
 
 Each has exactly the signature and semantics of its reference in kernels.reference. They run on
 CUDA tensors, and on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, set before
@@ -12,14 +13,16 @@ triton is imported), which is how the tests run without a GPU.
 from __future__ import annotations
 
 from kernels import KernelOps
+from kernels.triton_cascade import cascade_decode_attention
 from kernels.triton_decode import DecodeConfig, decode_with_config, paged_decode_attention, pick_num_splits
 from kernels.triton_prefill import PrefillConfig, paged_prefill_attention, prefill_with_config
 from kernels.triton_store import store_kvcache
 
-TRITON_OPS = KernelOps("triton", store_kvcache, paged_decode_attention, paged_prefill_attention)
+TRITON_OPS = KernelOps("triton", store_kvcache, paged_decode_attention, paged_prefill_attention, cascade_decode_attention)
 
 __all__ = [
     "TRITON_OPS",
+    "cascade_decode_attention",
     "DecodeConfig",
     "PrefillConfig",
     "decode_with_config",

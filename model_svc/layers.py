@@ -219,6 +219,9 @@ class Attention(nn.Module):
         if not stored:
             self.ops.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
         if attn.is_decode:
+            if attn.prefix_blocks is not None:
+                return self.ops.cascade_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale,
+                                                         attn.prefix_blocks, attn.max_prefix_blocks)
             return self.ops.paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
         return self.ops.paged_prefill_attention(
             q, k_cache, v_cache, attn.block_tables, attn.cu_seqlens_q, attn.seq_lens, self.scale

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kernels import select_ops
-from model_svc.attention_metadata import AttentionMetadata
+from model_svc.attention_metadata import CASCADE_MAX_TOKENS, AttentionMetadata, shared_prefix_blocks
 from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.loader import load_model, resolve_dtype
 from model_svc.sampler import Sampler, SamplingBatch, make_generator
@@ -106,7 +106,8 @@ class ModelRunner:
             from model_svc.cuda_graphs import DecodeGraphs
 
             width = self.block_tables.table.shape[1]  # blocks of the longest possible sequence
-            self.graphs = DecodeGraphs(self.model, self.pools.layer_caches, min(max_num_seqs, 512), width, self.device)
+            self.graphs = DecodeGraphs(self.model, self.pools.layer_caches, min(max_num_seqs, 512), width, self.device,
+                                       max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // block_size))
         if self.device.type == "cuda":
             self._compile_kernels()
         self.seqs: dict[str, _SeqState] = {}
@@ -261,7 +262,7 @@ class ModelRunner:
         self._last_token[rows] = token_ids.reshape(-1).to(torch.int64)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.graphs is not None and meta.is_decode and self.graphs.can_run(input_ids.shape[0], meta.block_tables.shape[1]):
+        if self.graphs is not None and meta.is_decode and self.graphs.can_run(input_ids.shape[0], meta):
             return self.graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.pools.layer_caches, meta)
 
@@ -284,6 +285,7 @@ class ModelRunner:
                 meta = AttentionMetadata(
                     slot_mapping=block * bs + positions % bs, block_tables=meta.block_tables, seq_lens=meta.seq_lens + 1,
                     cu_seqlens_q=meta.cu_seqlens_q, is_decode=True,
+                    prefix_blocks=meta.prefix_blocks, max_prefix_blocks=meta.max_prefix_blocks,
                 )
         self._remember_sampled(self._rows, input_ids)
         return LaunchedStep(self, seqs, torch.stack(sampled, dim=1))  # (B, num_steps)
@@ -324,7 +326,7 @@ class ModelRunner:
         num_seqs = len(seqs)
         lens = [len(s.token_ids) for s in seqs]
         num_tokens = sum(lens)
-        packed = np.empty(3 * num_tokens + 3 * num_seqs + 1, dtype=np.int64)
+        packed = np.empty(3 * num_tokens + 3 * num_seqs + 2, dtype=np.int64)
         ids, pos, slots = packed[:num_tokens], packed[num_tokens : 2 * num_tokens], packed[2 * num_tokens : 3 * num_tokens]
         seq_lens, cu = packed[3 * num_tokens : 3 * num_tokens + num_seqs], packed[3 * num_tokens + num_seqs : 3 * num_tokens + 2 * num_seqs + 1]
         if num_tokens == num_seqs:  # decode: one token each
@@ -342,12 +344,14 @@ class ModelRunner:
         states = [self.seqs[s.seq_id] for s in seqs]
         width = max(st.num_blocks for st in states)
         rows = [st.row for st in states]
-        packed[3 * num_tokens + 2 * num_seqs + 1 :] = rows
+        packed[3 * num_tokens + 2 * num_seqs + 1 : -1] = rows
         tables = self.block_tables.rows(rows, width)
         bs = self.block_size
+        prefix = shared_prefix_blocks(tables, seq_lens, bs) if num_tokens == num_seqs else 0
+        packed[-1] = prefix
         slots[:] = tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs  # on the host: no kernels
         packed_dev = self._h2d(packed)
-        self._rows = packed_dev[3 * num_tokens + 2 * num_seqs + 1 :]
+        self._rows = packed_dev[3 * num_tokens + 2 * num_seqs + 1 : -1]
         placeholders = np.flatnonzero(ids == PLACEHOLDER)
         if placeholders.size:
             self._fill_placeholders(packed_dev[:num_tokens], placeholders, seq_index)
@@ -359,6 +363,7 @@ class ModelRunner:
             seq_lens=packed_dev[3 * t : 3 * t + num_seqs].to(torch.int32),
             cu_seqlens_q=packed_dev[3 * t + num_seqs : 3 * t + 2 * num_seqs + 1].to(torch.int32),
             is_decode=num_tokens == num_seqs,
+            prefix_blocks=packed_dev[-1:].to(torch.int32) if prefix else None, max_prefix_blocks=prefix,
         )
         ids_dev, pos_dev = packed_dev[:t], packed_dev[t : 2 * t]
         return ids_dev, pos_dev, meta, sample_rows
