@@ -4,11 +4,14 @@ with another prefix (one-time warm-up costs), one request warms the prefix (as a
 would be); then the 64 arrive together. Reports TTFT p50/p99 and throughput.
 
     python bench/prefix.py [--model qwen3-0.6b] [--out bench/results/prefix_h200.md]
+    python bench/prefix.py --profile   # where the timed runs' time goes instead of the table
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import sys
 import time
@@ -19,9 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import device_sync, environment, make_llm, percentile, write_result  # noqa: E402
+from scheduler_svc import phase_times  # noqa: E402
 
 
-def run(args, caching: bool) -> dict:
+def run(args, caching: bool, profile: str | None = None) -> dict:
     from scheduler_svc import SamplingParams
 
     rng = random.Random(0)
@@ -40,10 +44,22 @@ def run(args, caching: bool) -> dict:
     engine = llm.engine
     sync = device_sync(args.device)
     sync()
+    prof = first_steps = None
+    if profile == "host":  # the Python functions of the first two step() calls (they make the TTFT)
+        first_steps = cProfile.Profile()
+        first_steps.enable()
+    elif profile == "device":
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        prof = torch.profiler.profile(activities=acts)
+        prof.__enter__()
+    phase_times.reset()
+    steps_before = engine.scheduler.stats.num_steps
     start = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts[1:]]
+    added = time.perf_counter()
     first: dict[str, float] = {}
     done: dict[str, float] = {}
+    step_ends: list[float] = []
     tokens = 0
     while engine.has_unfinished():
         for out in engine.step():
@@ -53,12 +69,51 @@ def run(args, caching: bool) -> dict:
             if out.finished:
                 done[out.request_id] = now
                 tokens += len(out.token_ids)
+        step_ends.append(time.perf_counter())
+        if first_steps is not None and len(step_ends) in (2, 60):
+            first_steps.disable()
+            what = "the first two step() calls" if len(step_ends) == 2 else "step() calls 11-60 (decode)"
+            print(f"\n== caching {'on' if caching else 'off'}: {what} under cProfile")
+            pstats.Stats(first_steps).sort_stats("cumulative" if len(step_ends) == 2 else "tottime").print_stats(30)
+        if first_steps is not None and len(step_ends) == 10:
+            first_steps = cProfile.Profile()
+            first_steps.enable()
     sync()
     seconds = time.perf_counter() - start
     ttft = [(first[i] - start) * 1e3 for i in ids]
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        report_profile(prof, caching, seconds, start, added, step_ends, engine.scheduler.stats.num_steps - steps_before, len(ids))
     return {"caching": caching, "seconds": seconds, "tok_s": tokens / seconds, "ttft_p50": percentile(ttft, 50),
             "ttft_p99": percentile(ttft, 99), "hit_tokens": engine.kv.num_prefix_hits,
             "overlap": engine.async_scheduling}
+
+
+def report_profile(prof, caching: bool, seconds: float, start: float, added: float, step_ends: list[float],
+                   num_steps: int, num_requests: int) -> None:
+    """Where a timed run's time went: the engine.step() calls' wall times (the first ones, which
+    make the TTFT, one by one), the device's busy time and its kernels, and the phase timers
+    when PICOVLLM_PHASE_TIMES is set."""
+    walls = [(b - a) * 1e3 for a, b in zip([added, *step_ends], step_ends)]
+    rest = sorted(walls[4:]) or [0.0]
+    print(f"\n== caching {'on' if caching else 'off'}: {seconds * 1e3:.1f} ms wall (profiler on), {num_steps} steps; "
+          f"{num_requests} add_request calls: {(added - start) * 1e3:.2f} ms")
+    print("first step() calls, ms: " + ", ".join(f"{w:.2f}" for w in walls[:4])
+          + f"; the rest: median {rest[len(rest) // 2]:.3f}, max {rest[-1]:.3f}, sum {sum(walls[4:]):.1f}")
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.self_device_time_total for e in events)
+    print(f"device busy {busy_us / 1e3:.1f} ms of {seconds * 1e3:.1f} ({busy_us / 1e6 / seconds:.0%}); "
+          f"per step {busy_us / max(1, num_steps) / 1e3:.3f} ms")
+    print(f"{'ms total':>9} {'calls':>7}  kernel")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"{e.self_device_time_total / 1e3:9.2f} {e.count:7d}  {e.key[:110]}")
+    host = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
+                  key=lambda e: -e.self_cpu_time_total)[:12]
+    print(f"{'host ms':>9} {'calls':>7}  op (self time)")
+    for e in host:
+        print(f"{e.self_cpu_time_total / 1e3:9.2f} {e.count:7d}  {e.key[:110]}")
+    if phase_times.ENABLED:
+        print(*phase_times.table(phase_times.snapshot(), num_steps), sep="\n")
 
 
 def main() -> None:
@@ -73,7 +128,15 @@ def main() -> None:
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of the table: step wall times, device kernels and host ops of both timed runs, "
+                         "then the first two steps and fifty decode steps of each under cProfile")
     args = ap.parse_args()
+    if args.profile:
+        for kind in ("device", "host"):
+            run(args, True, profile=kind)
+            run(args, False, profile=kind)
+        return
     env = environment()
     on, off = run(args, True), run(args, False)
     lines = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton_sample import gumbel_sample
+from kernels.triton_sample import gumbel_sample, pick_num_chunks
 from model_svc.sampler import Sampler, SamplingBatch, make_generator
 from scheduler_svc.sampling_params import SamplingParams
 
@@ -48,6 +48,29 @@ def test_seed_decides_the_draw(device):
     assert torch.equal(a, gumbel_sample(logits, temperature, greedy, seed=7))
     assert not torch.equal(a, gumbel_sample(logits, temperature, greedy, seed=8))
     assert len(set(a.tolist())) > 20  # uniform over 50 tokens: many distinct draws
+
+
+@pytest.mark.parametrize("num_chunks", [2, 3, 5])
+def test_draws_do_not_depend_on_the_chunking(device, num_chunks):
+    """The noise is keyed by (row, column), so cutting rows into column ranges changes nothing:
+    sampled rows draw the same tokens, greedy rows keep the first maximum across chunks, and a
+    row of only -inf takes column 0 (as torch.argmax)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn((6, 300), generator=gen)
+    logits[4, [10, 130, 290]] = 9.0  # ties in different chunks
+    logits[5, :] = float("-inf")
+    x = logits.to(device, torch.bfloat16)
+    temperature = torch.full((6,), 0.8, device=device)
+    greedy = torch.tensor([False, False, False, True, True, True], device=device)
+    one = gumbel_sample(x, temperature, greedy, seed=99, num_chunks=1)
+    assert torch.equal(gumbel_sample(x, temperature, greedy, seed=99, num_chunks=num_chunks), one)
+    assert one[3:].tolist() == [x[3].float().argmax().item(), 10, 0]
+
+
+def test_pick_num_chunks_fills_the_device():
+    """About four programs per SM, chunks of at least one block, at least one chunk."""
+    assert [pick_num_chunks(b, 151936, 2048, 132) for b in (1, 64, 256, 600)] == [75, 8, 2, 1]
+    assert pick_num_chunks(1, 100, 2048, 132) == 1
 
 
 def _batch(params, generators=None) -> SamplingBatch:
