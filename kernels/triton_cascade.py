@@ -35,10 +35,8 @@ prefix_blocks, max_prefix_blocks)` returns what `kernels.reference.paged_decode_
 returns for the first six arguments, given that the first prefix_blocks entries of every row
 of block_tables are equal and prefix_blocks * page <= min(seq_lens).
 
-Status: tested (interpreter; on the H200, production shapes and a CUDA-graph replay with
-prefix_blocks changed on the device) but not yet called by the model runner, which still
-runs every decode batch through kernels.triton_decode. Wiring it in needs the runner to find
-the batch's shared leading blocks and decode graphs that include it (bench/NOTES.md).
+The model runner calls it for decode batches that share enough leading blocks
+(model_svc.attention_metadata.shared_prefix_blocks).
 """
 
 from __future__ import annotations
@@ -80,19 +78,16 @@ class CascadeConfig:
     suffix: DecodeConfig
 
 
-def default_cascade_config(dtype: torch.dtype, head_dim: int, num_rows: int) -> CascadeConfig:
-    """num_rows: batch * G, the rows of the prefix kernel's matrix for one KV head.
-
-    The prefix kernel does little arithmetic (num_rows x prefix x head_dim per KV head) and
+def default_cascade_config(dtype: torch.dtype, head_dim: int) -> CascadeConfig:
+    """The prefix kernel does little arithmetic (batch x G rows x prefix x head_dim per KV head) and
     exists to read the prefix once, so it takes P @ V in bf16 as two terms (split_p, as decode
-    does). 16-bit tiles: 64 rows at 4 warps, or 128 rows at 8 warps once the batch fills them
-    (one tile then covers a decode batch of 64 sequences x G = 2); 64 keys a step for head
-    dims up to 64, 32 above; 32 x 32 for head dims over 128. These are the largest tiles for
-    which ptxas (sm_90, Triton 3.6) reported no or almost no stack use, i.e. no register
-    spills; their speed is not measured yet. fp32 uses the prefill kernel's fp32 tiles (exact
-    products on FMA units); the interpreter 16 x 16 tiles, so that small test batches span
-    several row tiles and chunks. The suffix kernel uses decode's tiles
-    (kernels.triton_decode.default_decode_config)."""
+    does). 16-bit tiles, head dims up to 128: 64 rows x 64 keys at 4 warps. Measured on the
+    H200 at B = 64, G = 2 (128 rows), a 1,024-token prefix: 7.7-8.7 us per call against
+    9.9-12.2 us for 128-row tiles at 8 warps (the first choice, from ptxas's stack use
+    alone), 64-row tiles by 32 keys 7.8-9.9 us. Head dims over 128: 32 x 32. fp32 uses the
+    prefill kernel's fp32 tiles (exact products on FMA units); the interpreter 16 x 16 tiles,
+    so that small test batches span several row tiles and chunks. The suffix kernel uses
+    decode's tiles (kernels.triton_decode.default_decode_config)."""
     suffix = default_decode_config(dtype, head_dim)
     block_d = max(16, next_pow2(head_dim))
     if interpreting():
@@ -102,9 +97,7 @@ def default_cascade_config(dtype: torch.dtype, head_dim: int, num_rows: int) -> 
     elif block_d > 128:
         prefix = PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=3, split_p=True)
     else:
-        wide = num_rows > 64
-        prefix = PrefillConfig(block_m=128 if wide else 64, block_n=64 if block_d <= 64 else 32,
-                               num_warps=8 if wide else 4, num_stages=3, split_p=True)
+        prefix = PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_p=True)
     return CascadeConfig(prefix, suffix)
 
 
@@ -290,7 +283,7 @@ def cascade_with_config(
     num_rows = batch * group
     block_d = max(16, next_pow2(head_dim))
     if config is None:
-        config = default_cascade_config(q.dtype, head_dim, num_rows)
+        config = default_cascade_config(q.dtype, head_dim)
     block_m = config.prefix.block_m
     num_row_tiles = cdiv(num_rows, block_m)
     sms = num_sms(q.device)
