@@ -8,10 +8,10 @@ operation returns `NoFreeBlocks` and changes nothing.
 
 from __future__ import annotations
 
-import hashlib
 from array import array
+from hashlib import blake2b
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from kvcache_svc.block_pool import BlockPool, Tier
 
@@ -58,13 +58,23 @@ class SeqBlocks:
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_key: str | None) -> int:
-    """Chained block hash, stable across processes (it is persisted in the metadata store)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update((parent_hash or 0).to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
-    if extra_key:
-        h.update(extra_key.encode())
-    return int.from_bytes(h.digest(), "little")
+    """Chained block hash, stable across processes (it is persisted in the metadata store):
+    blake2b (8 bytes) of the parent's hash, the tokens as little-endian int64 and the key."""
+    return next(chain_hashes(token_ids, len(token_ids), 0, 1, parent_hash, extra_key))
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, start_block: int, end_block: int,
+                 parent_hash: int | None, extra_key: str | None) -> Iterator[int]:
+    """hash_block of blocks start_block .. end_block - 1 of token_ids, each chained to the one
+    before (the first to parent_hash). The tokens become bytes once and each block is one
+    blake2b call: a 64-request batch of 1,056-token prompts hashes 4,160 blocks on arrival."""
+    width = 8 * block_size
+    data = array("q", token_ids[start_block * block_size : end_block * block_size]).tobytes()
+    salt = extra_key.encode() if extra_key else b""
+    parent = (parent_hash or 0).to_bytes(8, "little")
+    for offset in range(0, len(data), width):
+        parent = blake2b(parent + data[offset : offset + width] + salt, digest_size=8).digest()
+        yield int.from_bytes(parent, "little")
 
 
 class KVCacheManager:
@@ -83,6 +93,8 @@ class KVCacheManager:
         self.seqs: dict[str, SeqBlocks] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up
         self.num_prefix_hits = 0  # of those, tokens served from the cache
+        # match_prefix's last prompt: (its hashed blocks as int64 bytes, their chain hashes, extra key)
+        self._recent: tuple[bytes, list[int], str | None] | None = None
 
     # ----------------------------------------------------------------- queries
     @property
@@ -110,17 +122,43 @@ class KVCacheManager:
         prompt token is always left to compute (its logits are needed)."""
         if not self.enable_prefix_caching:
             return PrefixHit(0, [])
-        bs = self.block_size
+        bs, pool = self.block_size, self.device
+        num_blocks = (len(token_ids) - 1) // bs
+        data = array("q", token_ids[: num_blocks * bs]).tobytes()
+        hashes = self._recent_hashes(data, extra_key)
+        rest = chain_hashes(token_ids, bs, len(hashes), num_blocks, hashes[-1] if hashes else None, extra_key)
+        known = len(hashes)
         block_ids: list[int] = []
-        parent = None
-        for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = hash_block(parent, tokens, extra_key)
-            block_id = self.device.lookup(parent, tokens)
+        for i in range(num_blocks):
+            if i >= known:  # hashed on demand: a miss early in the prompt hashes no further
+                hashes.append(next(rest))
+            block_id = pool.lookup(hashes[i], tuple(token_ids[i * bs : (i + 1) * bs]))
             if block_id is None:
                 break
             block_ids.append(block_id)
+        self._recent = (data[: len(hashes) * 8 * bs], hashes, extra_key)
         return PrefixHit(len(block_ids) * bs, block_ids)
+
+    def _recent_hashes(self, data: bytes, extra_key: str | None) -> list[int]:
+        """The chain hashes of the leading blocks this prompt (as int64 bytes) shares with the
+        last prompt looked up: requests that arrive together with one system prompt hash it
+        once, not once each (two memcmp-speed comparisons per halving instead of a blake2b
+        call per block)."""
+        if self._recent is None or self._recent[2] != extra_key:
+            return []
+        prev, hashes, _ = self._recent
+        width = 8 * self.block_size
+        hi = min(len(data), len(prev)) // width
+        if data[: hi * width] == prev[: hi * width]:
+            return hashes[:hi]
+        lo = 0  # the first lo blocks are equal, the first hi are not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if data[: mid * width] == prev[: mid * width]:
+                lo = mid
+            else:
+                hi = mid
+        return hashes[:lo]
 
     # ----------------------------------------------------------------- operations
     def allocate(self, seq_id: str, token_ids: list[int], num_new_tokens: int, extra_key: str | None = None) -> Allocated | NoFreeBlocks:
@@ -131,13 +169,14 @@ class KVCacheManager:
         num_new_tokens = max(1, min(num_new_tokens, len(token_ids) - hit.num_tokens))
         num_needed = self.num_blocks_for(hit.num_tokens + num_new_tokens) - len(hit.block_ids)
         # Hit blocks that sit in the LRU stop being evictable once we take them.
-        available = self.device.num_free_blocks - sum(self.device.blocks[b].ref_count == 0 for b in hit.block_ids)
+        pool = self.device
+        available = pool.num_free_blocks - sum(pool.blocks[b].ref_count == 0 for b in hit.block_ids)
         if num_needed > available:
             return NoFreeBlocks(num_needed, available)
         for block_id in hit.block_ids:
-            self.device.acquire(block_id)
-        block_ids = hit.block_ids + self.device.allocate(num_needed)
-        last_hash = self.device.blocks[hit.block_ids[-1]].block_hash if hit.block_ids else None  # the chain continues from the hit
+            pool.acquire(block_id)
+        block_ids = hit.block_ids + pool.allocate(num_needed)
+        last_hash = pool.blocks[hit.block_ids[-1]].block_hash if hit.block_ids else None  # the chain continues from the hit
         self.seqs[seq_id] = SeqBlocks(Tier.DEVICE, block_ids, extra_key, len(hit.block_ids), last_hash)
         if self.enable_prefix_caching:
             self.num_prefix_queries += len(token_ids)
@@ -182,12 +221,15 @@ class KVCacheManager:
         seq = self.seqs[seq_id]
         if seq.tier != Tier.DEVICE:
             return
-        bs = self.block_size
-        for i in range(seq.num_hashed_blocks, min(num_computed_tokens // bs, len(seq.block_ids))):
-            tokens = tuple(token_ids[i * bs - token_offset : (i + 1) * bs - token_offset])
-            seq.last_hash = hash_block(seq.last_hash, tokens, seq.extra_key)
-            self.device.set_hash(seq.block_ids[i], seq.last_hash, tokens)
-            seq.num_hashed_blocks = i + 1
+        bs, first = self.block_size, seq.num_hashed_blocks
+        end = min(num_computed_tokens // bs, len(seq.block_ids))
+        if end <= first:
+            return
+        tail = token_ids[first * bs - token_offset : end * bs - token_offset]
+        for i, block_hash in enumerate(chain_hashes(tail, bs, 0, end - first, seq.last_hash, seq.extra_key), first):
+            tokens = tuple(tail[(i - first) * bs : (i - first + 1) * bs])
+            self.device.set_hash(seq.block_ids[i], block_hash, tokens)
+            seq.last_hash, seq.num_hashed_blocks = block_hash, i + 1
 
     def free(self, seq_id: str) -> None:
         """Drop a sequence; its blocks go back tail first, so tails are evicted first."""

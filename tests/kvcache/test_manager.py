@@ -107,7 +107,7 @@ def test_hit_only_on_full_blocks():
 
 def test_hash_collision_compares_tokens(monkeypatch):
     """Every block hashes the same: the token comparison must stop a wrong reuse."""
-    monkeypatch.setattr(manager_mod, "hash_block", lambda parent, tokens, extra_key: 42)
+    monkeypatch.setattr(manager_mod, "chain_hashes", lambda tokens, bs, start, end, parent, key: iter([42] * (end - start)))
     mgr = make()
     a = run_prompt(mgr, "a", [1, 2, 3, 4, 5])
     assert mgr.device.hash_to_block == {42: a.block_ids[0]}
@@ -147,7 +147,19 @@ def test_extra_key_separates_prefixes():
     mgr.check_invariants()
 
 
+def test_chain_hashes_equal_hash_block_one_by_one():
+    tokens = list(range(100, 140))
+    chain, expected = 7, []
+    for i in range(2, 9):
+        chain = hash_block(chain, tuple(tokens[i * 4 : (i + 1) * 4]), "salt")
+        expected.append(chain)
+    assert list(manager_mod.chain_hashes(tokens, 4, 2, 9, 7, "salt")) == expected
+    assert list(manager_mod.chain_hashes(tokens, 4, 3, 3, 7, None)) == []
+
+
 def test_hash_block_is_chained_and_stable():
+    # the value itself is persisted in the metadata store: it must not change between versions
+    assert hash_block(None, (1, 2, 3, 4), None) == 0x2728ab4454aaa05b
     h0 = hash_block(None, (1, 2, 3, 4), None)
     assert h0 == hash_block(None, (1, 2, 3, 4), None)
     assert h0 != hash_block(None, (1, 2, 3, 5), None)

@@ -152,7 +152,7 @@ def test_duplicate_content_keeps_one_canonical_block():
     "under a hash collision a block computed after a different prefix can be reused",
 )
 def test_collision_with_different_parent_is_not_reused(monkeypatch):
-    monkeypatch.setattr(manager_mod, "hash_block", lambda parent, tokens, extra_key: 42)
+    monkeypatch.setattr(manager_mod, "chain_hashes", lambda tokens, bs, start, end, parent, key: iter([42] * (end - start)))
     mgr = make()
     a = run_prompt(mgr, "a", [1, 2, 3, 4, 5])  # block (1, 2, 3, 4) computed at positions 0..3
     hit = mgr.match_prefix([1, 2, 3, 4, 1, 2, 3, 4, 5])
@@ -176,3 +176,51 @@ def test_reset_prefix_cache_forgets_cached_blocks_only():
     res = mgr.allocate("c", prompt, len(prompt))
     assert res.num_cached_tokens == 0
     mgr.check_invariants()
+
+
+# --------------------------------------------------------------------------- hashing once
+
+
+def test_prompts_sharing_a_prefix_hash_it_once(monkeypatch):
+    """match_prefix reuses the chain hashes of the blocks a prompt shares with the last one
+    looked up: a burst of requests with one system prompt hashes it once. The hits are those
+    of a manager that hashes everything anew."""
+    hashed = []
+    real = manager_mod.chain_hashes
+
+    def counting(tokens, bs, start, end, parent, key):
+        for h in real(tokens, bs, start, end, parent, key):
+            hashed.append(h)
+            yield h
+
+    monkeypatch.setattr(manager_mod, "chain_hashes", counting)
+    mgr = make(num_device=64)
+    system = list(range(1000, 1024))  # 6 blocks of 4
+    run_prompt(mgr, "warm", system + [1, 2, 3, 4, 5])
+    hashed.clear()
+    for i in range(5):
+        res = mgr.allocate(f"r{i}", system + [50 + i] * 6, 30)
+        assert res.num_cached_tokens == 24
+    # warm's own lookup missed at its first block (nothing cached yet), so r0 hashes blocks
+    # 1-6; each later request only its own seventh block
+    assert len(hashed) == 6 + 4 * 1
+
+
+def test_recent_hashes_match_fresh_hashing():
+    """Random prompts sharing random prefixes, salted or not: every lookup equals the hits of
+    a manager without the memo (cleared before each lookup)."""
+    import random
+
+    rng = random.Random(5)
+    mgr, fresh = make(num_device=256), make(num_device=256)
+    base = [rng.randrange(50) for _ in range(40)]
+    for i in range(60):
+        cut = rng.randrange(0, 40)
+        prompt = base[:cut] + [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
+        key = rng.choice([None, None, "salt"])
+        if rng.random() < 0.3:  # register some, so that there are hits to find
+            for m in (mgr, fresh):
+                run_prompt(m, f"s{i}", prompt, key)
+                m.free(f"s{i}")
+        fresh._recent = None
+        assert mgr.match_prefix(prompt, key) == fresh.match_prefix(prompt, key), (i, cut, key)
