@@ -23,6 +23,8 @@ HISTORY = [
     ("v9 gemv, fused\nsampler, cold\ncache each run", 24001),
     ("v10 two steps\nin flight", 24035),
     ("v10 service\nmode (3 procs)", 23961),
+    ("v11 sampler\nby column\nranges", 24710),
+    ("v11 service\nmode (3 procs)", 25687),
 ]
 
 
