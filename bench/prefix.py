@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import device_sync, environment, make_llm, percentile, write_result  # noqa: E402
+from bench.throughput import RunCounters  # noqa: E402
 from scheduler_svc import phase_times  # noqa: E402
 
 
@@ -54,6 +55,8 @@ def run(args, caching: bool, profile: str | None = None) -> dict:
         prof.__enter__()
     phase_times.reset()
     steps_before = engine.scheduler.stats.num_steps
+    counters = RunCounters()
+    counted = counters.snapshot()
     start = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts[1:]]
     added = time.perf_counter()
@@ -81,12 +84,13 @@ def run(args, caching: bool, profile: str | None = None) -> dict:
     sync()
     seconds = time.perf_counter() - start
     ttft = [(first[i] - start) * 1e3 for i in ids]
+    during = RunCounters.delta(counted, counters.snapshot())
     if prof is not None:
         prof.__exit__(None, None, None)
         report_profile(prof, caching, seconds, start, added, step_ends, engine.scheduler.stats.num_steps - steps_before, len(ids))
     return {"caching": caching, "seconds": seconds, "tok_s": tokens / seconds, "ttft_p50": percentile(ttft, 50),
             "ttft_p99": percentile(ttft, 99), "hit_tokens": engine.kv.num_prefix_hits,
-            "overlap": engine.async_scheduling}
+            "overlap": engine.async_scheduling, "during": during}
 
 
 def report_profile(prof, caching: bool, seconds: float, start: float, added: float, step_ends: list[float],
@@ -146,6 +150,7 @@ def main() -> None:
         "",
         f"throughput on/off: {on['tok_s'] / off['tok_s']:.2f}x (target >= 3x); TTFT p50 off/on: {off['ttft_p50'] / on['ttft_p50']:.2f}x (target >= 5x)",
         f"overlapped scheduling: {on['overlap']}",
+        f"during the timed runs: on: {on['during']}; off: {off['during']}",
     ]
     print("\n".join(lines))
     if args.out:

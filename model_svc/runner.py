@@ -20,7 +20,7 @@ from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.loader import load_model, resolve_dtype
 from model_svc.sampler import Sampler, SamplingBatch, make_generator
 from model_svc.step import PLACEHOLDER, SampledToken, SeqStep, StepInput, StepOutput
-from model_svc.transfer import to_device
+from model_svc.transfer import PinnedStaging, to_device
 from scheduler_svc import phase_times
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class ModelRunner:
         # Step inputs through pinned host memory (non-blocking copies): launch() then never
         # waits for the step in flight, which overlapped scheduling needs.
         self.pinned_inputs = pinned_inputs and self.device.type == "cuda"
+        self._staging = PinnedStaging(self.device) if self.pinned_inputs else None
         if self.device.type == "cuda" and not enforce_eager:
             from model_svc.cuda_graphs import DecodeGraphs
 
@@ -248,7 +249,9 @@ class ModelRunner:
         ids_dev[index[:n]] = self._last_token[self._rows[index[n:]]]
 
     def _h2d(self, array: np.ndarray) -> torch.Tensor:
-        return to_device(array, None, self.device, self.pinned_inputs)
+        if self._staging is not None:
+            return self._staging.to_device(array)
+        return to_device(array, None, self.device, False)
 
     def _remember_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Record each sampled sequence's token at its block-table row (rows: device, in

@@ -20,3 +20,47 @@ def to_device(values: np.ndarray | Sequence[Any], dtype: torch.dtype | None, dev
     if pinned:
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+class PinnedStaging:
+    """Host-to-device copies of step inputs through pinned buffers allocated once and reused.
+
+    `to_device` above pins a fresh host block per copy; torch's caching host allocator calls
+    cudaHostAlloc whenever no block of that size class is free, which happens inside a step
+    (a new batch shape, or every block of the class still held by a copy in flight). Here a
+    ring of `slots` pinned buffers serves the copies in turn: a slot is written again only
+    after the copy that last read it has finished (an event; with two steps in flight and a
+    few copies per step it has finished long before), and grows (doubling) only when an
+    array does not fit, so after the first steps of each size nothing is allocated.
+    One caller at a time (the runner's launch path)."""
+
+    def __init__(self, device: torch.device, slots: int = 16, min_bytes: int = 1 << 18) -> None:
+        self.device = device
+        self.min_bytes = min_bytes
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._events: list[torch.cuda.Event | None] = [None] * slots
+        self._next = 0
+        self.num_allocs = 0  # pinned buffers allocated (or grown) so far
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        nbytes = host.numel() * host.element_size()
+        if nbytes == 0:
+            return torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        slot = self._next
+        self._next = (slot + 1) % len(self._buffers)
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()  # the slot's last copy; finished already unless the ring wrapped within a step
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            size = max(nbytes, self.min_bytes, 2 * buf.numel() if buf is not None else 0)
+            buf = self._buffers[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self.num_allocs += 1
+        staged = buf[:nbytes].view(host.dtype).view(host.shape)
+        staged.copy_(host)
+        out = staged.to(self.device, non_blocking=True)
+        if event is None:
+            event = self._events[slot] = torch.cuda.Event()
+        event.record()
+        return out
