@@ -63,8 +63,8 @@ from kernels.triton_decode import (
     MAX_SPLITS,
     PROGRAMS_PER_SM,
     DecodeConfig,
-    _arrival_counters,
-    _combine_group,
+    arrival_counters,
+    combine_group,
     attend_pages,
     default_decode_config,
     pick_num_splits,
@@ -248,7 +248,7 @@ def _suffix_kernel(
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             last = ticket == arrivals - 1
         if last:
-            _combine_group(
+            combine_group(
                 part_out_ptr, part_lse_ptr,
                 (seq.to(tl.int64) * num_q_heads + kv_head * GROUP) * num_parts, num_parts, prefix_used + suffix_used,
                 out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP).to(tl.int64) * stride_oh, stride_oh,
@@ -328,7 +328,7 @@ def cascade_with_config(
 
     # The decode kernel's arrival counters: every launch of either kernel leaves them at zero,
     # so the two share one buffer (their launches are stream-ordered). Unused with one split.
-    counters = _arrival_counters(q.device, batch * num_kv_heads) if num_splits > 1 else seq_lens
+    counters = arrival_counters(q.device, batch * num_kv_heads) if num_splits > 1 else seq_lens
     group_p2 = next_pow2(group)
     block_s = max(1, min(32, 8192 // (block_d * group_p2)))  # as in triton_decode.decode_with_config
     _suffix_kernel[(num_splits, num_kv_heads, batch)](

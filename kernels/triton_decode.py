@@ -8,7 +8,7 @@ program writes its chunk's normalised partial output and log-sum-exp to scratch,
 ticket from an arrival counter of its (sequence, KV head); the program that arrives last
 combines the group's partials, writes the output and sets the counter back to zero for the
 next launch (so the counters live across launches and CUDA graph replays; see
-`_arrival_counters`). There is no second kernel.
+`arrival_counters`). There is no second kernel.
 
 Contract: `paged_decode_attention` has the signature and semantics of
 `kernels.reference.paged_decode_attention_ref`.
@@ -204,7 +204,7 @@ def _decode_split_kernel(
             counter = counter_ptr + seq * tl.num_programs(1) + kv_head
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == arrivals - 1:
-                _combine_group(
+                combine_group(
                     part_out_ptr, part_lse_ptr,
                     (seq.to(tl.int64) * num_q_heads + kv_head * GROUP) * num_splits, num_splits, num_used,
                     out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP).to(tl.int64) * stride_oh, stride_oh,
@@ -214,7 +214,7 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _combine_group(
+def combine_group(
     part_out_ptr, part_lse_ptr, row0, num_splits, num_used, out_ptr, stride_oh,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, FIX_BF16: tl.constexpr,
@@ -263,7 +263,7 @@ _ARRIVAL_COUNTERS: dict[torch.device, torch.Tensor] = {}
 _RETIRED_COUNTERS: list[torch.Tensor] = []
 
 
-def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
+def arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
     counters = _ARRIVAL_COUNTERS.get(device)
     if counters is None or counters.numel() < needed:
         if counters is not None:
@@ -310,7 +310,7 @@ def decode_with_config(
     else:
         part_out = torch.empty((batch, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        counters = _arrival_counters(q.device, batch * num_kv_heads)
+        counters = arrival_counters(q.device, batch * num_kv_heads)
     # The combine's (GROUP_P2, BLOCK_S, BLOCK_D) tile of partials: at most 8k fp32 (64 registers
     # a thread at 4 warps) and 32 splits. Each chunk of splits costs about 0.45 us on an H200
     # (an L2 round trip), so chunks are as large as that allows; a 64-split tile was slower.

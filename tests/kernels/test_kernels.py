@@ -269,12 +269,12 @@ def test_decode_arrival_counters_persist_and_grow(device):
     """One zeroed buffer per device, reused by every launch that fits; a launch needing more
     replaces it with a larger one and keeps the old one alive (a captured graph may use it)."""
     device = torch.empty(0, device=device).device  # with its index, as the kernels see it
-    first = triton_decode._arrival_counters(device, 1)
+    first = triton_decode.arrival_counters(device, 1)
     assert first.dtype == torch.int32 and first.numel() >= triton_decode.MIN_ARRIVAL_COUNTERS and not first.any()
-    assert triton_decode._arrival_counters(device, first.numel()) is first
-    grown = triton_decode._arrival_counters(device, first.numel() + 1)
+    assert triton_decode.arrival_counters(device, first.numel()) is first
+    grown = triton_decode.arrival_counters(device, first.numel() + 1)
     assert grown.numel() == first.numel() + 1 and not grown.any()
-    assert triton_decode._arrival_counters(device, 1) is grown
+    assert triton_decode.arrival_counters(device, 1) is grown
     assert any(old is first for old in triton_decode._RETIRED_COUNTERS)
 
 
