@@ -11,7 +11,8 @@ loads, bounds this kernel), so a draw does not depend on how the work is split.
 
 Two launches. The vocabulary of each row is cut into `num_chunks` column ranges, one program
 each, which keep a running argmax and write their best value and column; a second kernel, one
-program per row, picks the best of its chunks. One program per row (the first version) left
+program per row, picks the best of its chunks (with one chunk a row the first kernel writes
+the draw and the second is not launched). One program per row (the first version) left
 an H200 mostly idle below a few hundred rows and spent ~128 us at B = 64 on 151,936 columns,
 compute-bound on the noise; chunks give every batch size about PROGRAMS_PER_SM programs per SM.
 
@@ -57,9 +58,9 @@ def _consider(base, cols, last, u, inv_t, greedy, best, best_idx):
 
 @triton.jit(do_not_specialize=["vocab", "stride_row", "seed", "chunk"])
 def _gumbel_chunk_kernel(
-    logits_ptr, temperature_ptr, greedy_ptr, best_ptr, best_idx_ptr,
+    logits_ptr, temperature_ptr, greedy_ptr, best_ptr, best_idx_ptr, out_ptr,
     vocab, stride_row, seed, chunk,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, FINAL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -86,9 +87,12 @@ def _gumbel_chunk_kernel(
     top = tl.max(best, 0)
     # the smallest column among the lanes holding the maximum
     idx = tl.min(tl.where(best == top, best_idx, 2147483647), 0)
-    out = row * tl.num_programs(1) + part
-    tl.store(best_ptr + out, top)
-    tl.store(best_idx_ptr + out, idx)
+    if FINAL:  # one chunk a row: this is the draw
+        tl.store(out_ptr + row, idx.to(tl.int64))
+    else:
+        out = row * tl.num_programs(1) + part
+        tl.store(best_ptr + out, top)
+        tl.store(best_idx_ptr + out, idx)
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
@@ -116,17 +120,22 @@ def gumbel_sample(
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
         return out
-    block = 64 if interpreting() else max(64, min(BLOCK, next_pow2(vocab)))
+    # The interpreter runs programs one after another and pays per operation, not per lane:
+    # wide blocks and one chunk a row unless a test asks for more.
+    block = 256 if interpreting() else max(64, min(BLOCK, next_pow2(vocab)))
     if num_chunks is None:
-        num_chunks = pick_num_chunks(batch, vocab, block, num_sms(logits.device))
+        num_chunks = 1 if interpreting() else pick_num_chunks(batch, vocab, block, num_sms(logits.device))
     chunk = cdiv(cdiv(vocab, num_chunks), block) * block  # whole blocks; the last chunks may be short or empty
     num_chunks = cdiv(vocab, chunk)
+    final = num_chunks == 1
     best = torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((batch, num_chunks), dtype=torch.int32, device=logits.device)
     _gumbel_chunk_kernel[(batch, num_chunks)](
-        logits, temperature, greedy, best, best_idx, vocab, logits.stride(0), seed & 0x7FFFFFFF, chunk,
-        BLOCK=block, num_warps=4 if interpreting() else 8,
+        logits, temperature, greedy, best, best_idx, out, vocab, logits.stride(0), seed & 0x7FFFFFFF, chunk,
+        BLOCK=block, FINAL=final, num_warps=4 if interpreting() else 8,
     )  # fmt: skip
+    if final:
+        return out
     # CHUNKS bounds num_chunks for any batch of this vocabulary: one compiled pick kernel
     _gumbel_pick_kernel[(batch,)](best, best_idx, out, num_chunks, CHUNKS=max(2, next_pow2(cdiv(vocab, block))), num_warps=1)
     return out

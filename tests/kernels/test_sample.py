@@ -56,8 +56,8 @@ def test_draws_do_not_depend_on_the_chunking(device, num_chunks):
     sampled rows draw the same tokens, greedy rows keep the first maximum across chunks, and a
     row of only -inf takes column 0 (as torch.argmax)."""
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn((6, 300), generator=gen)
-    logits[4, [10, 130, 290]] = 9.0  # ties in different chunks
+    logits = torch.randn((6, 1200), generator=gen)  # 5 interpreter blocks of 256 columns
+    logits[4, [10, 530, 1190]] = 9.0  # ties in different chunks
     logits[5, :] = float("-inf")
     x = logits.to(device, torch.bfloat16)
     temperature = torch.full((6,), 0.8, device=device)
