@@ -107,7 +107,7 @@ def test_hit_only_on_full_blocks():
 
 def test_hash_collision_compares_tokens(monkeypatch):
     """Every block hashes the same: the token comparison must stop a wrong reuse."""
-    monkeypatch.setattr(manager_mod, "chain_hashes", lambda tokens, bs, start, end, parent, key: iter([42] * (end - start)))
+    monkeypatch.setattr(manager_mod, "_chain_bytes", lambda data, width, parent, key: iter([42] * (len(data) // width)))
     mgr = make()
     a = run_prompt(mgr, "a", [1, 2, 3, 4, 5])
     assert mgr.device.hash_to_block == {42: a.block_ids[0]}
