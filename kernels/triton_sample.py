@@ -125,11 +125,14 @@ def gumbel_sample(
     block = 256 if interpreting() else max(64, min(BLOCK, next_pow2(vocab)))
     if num_chunks is None:
         num_chunks = 1 if interpreting() else pick_num_chunks(batch, vocab, block, num_sms(logits.device))
-    chunk = cdiv(cdiv(vocab, num_chunks), block) * block  # whole blocks; the last chunks may be short or empty
-    num_chunks = cdiv(vocab, chunk)
+    chunk = cdiv(cdiv(vocab, num_chunks), block) * block  # whole blocks; the last chunk may be short
+    num_chunks = cdiv(vocab, chunk)  # none empty
     final = num_chunks == 1
-    best = torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
-    best_idx = torch.empty((batch, num_chunks), dtype=torch.int32, device=logits.device)
+    if final:  # the chunk kernel writes the draws: no scratch (its pointers go unused)
+        best = best_idx = out
+    else:
+        best = torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
+        best_idx = torch.empty((batch, num_chunks), dtype=torch.int32, device=logits.device)
     _gumbel_chunk_kernel[(batch, num_chunks)](
         logits, temperature, greedy, best, best_idx, out, vocab, logits.stride(0), seed & 0x7FFFFFFF, chunk,
         BLOCK=block, FINAL=final, num_warps=4 if interpreting() else 8,
