@@ -73,6 +73,10 @@ def run(args, caching: bool, profile: str | None = None) -> dict:
                 done[out.request_id] = now
                 tokens += len(out.token_ids)
         step_ends.append(time.perf_counter())
+        if len(step_ends) == 1 and phase_times.ENABLED and prof is None and first_steps is None:
+            print(f"== caching {'on' if caching else 'off'}: phase timers of the first step")
+            print(*phase_times.table(phase_times.snapshot(), 1), sep="\n")
+            phase_times.reset()
         if first_steps is not None and len(step_ends) in (2, 60):
             first_steps.disable()
             what = "the first two step() calls" if len(step_ends) == 2 else "step() calls 11-60 (decode)"
@@ -85,6 +89,10 @@ def run(args, caching: bool, profile: str | None = None) -> dict:
     seconds = time.perf_counter() - start
     ttft = [(first[i] - start) * 1e3 for i in ids]
     during = RunCounters.delta(counted, counters.snapshot())
+    if prof is None and first_steps is None and phase_times.ENABLED:
+        print(f"== caching {'on' if caching else 'off'}: phase timers of the later {len(step_ends) - 1} steps, {seconds * 1e3:.1f} ms; "
+              f"{len(ids)} add_request calls {(added - start) * 1e3:.2f} ms; first step() calls, ms: " + ", ".join(f"{(b - a) * 1e3:.2f}" for a, b in zip([added, *step_ends], step_ends[:4])))
+        print(*phase_times.table(phase_times.snapshot(), len(step_ends) - 1), sep="\n")
     if prof is not None:
         prof.__exit__(None, None, None)
         report_profile(prof, caching, seconds, start, added, step_ends, engine.scheduler.stats.num_steps - steps_before, len(ids))

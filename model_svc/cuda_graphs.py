@@ -1,10 +1,14 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, replayed with padded inputs.
 
 A decode step launches a few hundred small kernels; replaying a captured graph removes the
-launch gaps. Inputs live in static buffers sized for the largest bucket. Padded rows write
-nowhere (slot -1) and attend to one token of block 0; their outputs are dropped. Block
-tables keep a fixed width (max_model_len / block_size), so the decode kernel's split count,
-chosen from that host-known width, is the same at capture and at replay.
+launch gaps. Inputs live in static buffers sized for the largest bucket: the per-sequence
+values in one byte buffer (GraphInputs) that the runner fills on the host and copies in one
+go, the block tables in a second. A token the host does not know yet (PLACEHOLDER: sampled
+by a step still in flight) is read inside the graph from `last_token`, each sequence's
+latest sample by block-table row. Padded rows write nowhere (slot -1) and attend to one
+token of block 0; their outputs are dropped. Block tables keep a fixed width
+(max_model_len / block_size), so the decode kernel's split count, chosen from that
+host-known width, is the same at capture and at replay.
 
 Batches of at least CASCADE_MIN_SEQS also get a second graph that runs cascade decode (a
 shared prefix read once for the batch, model_svc.attention_metadata): its prefix length is a
@@ -15,10 +19,14 @@ Padded rows (one token) then attend to the prefix only; their outputs are droppe
 from __future__ import annotations
 
 import logging
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from model_svc.attention_metadata import CASCADE_MIN_SEQS, AttentionMetadata
+from model_svc.step import PLACEHOLDER
+from scheduler_svc import phase_times
 
 logger = logging.getLogger(__name__)
 
@@ -28,18 +36,55 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
+class GraphInputs(NamedTuple):
+    """A decode graph's per-step inputs, as views of one byte buffer (host or device), so that
+    a step's values travel in one copy. Sized for the largest batch; a step fills its rows and
+    the padding rows of its bucket."""
+
+    input_ids: Any  # (max_batch,) int64; PLACEHOLDER: the row's latest sampled token (on the device)
+    positions: Any  # (max_batch,) int64
+    slot_mapping: Any  # (max_batch,) int64; -1 on padding rows
+    rows: Any  # (max_batch,) int64: each sequence's block-table row (where its latest token is kept)
+    seq_lens: Any  # (max_batch,) int32; 1 on padding rows
+    prefix_blocks: Any  # (1,) int32: the shared prefix of a cascade step
+
+    @staticmethod
+    def nbytes(max_batch: int) -> int:
+        return 4 * 8 * max_batch + 4 * (max_batch + 1) + 4  # padded to 8 bytes
+
+    @classmethod
+    def views(cls, buf: Any, max_batch: int) -> "GraphInputs":
+        """The fields over `buf` (a uint8 numpy array or torch tensor of nbytes(max_batch))."""
+        i64, i32 = (np.int64, np.int32) if isinstance(buf, np.ndarray) else (torch.int64, torch.int32)
+        n, end64 = max_batch, 32 * max_batch
+        longs = buf[:end64].view(i64)
+        ints = buf[end64 : end64 + 4 * (n + 1)].view(i32)
+        return cls(longs[:n], longs[n : 2 * n], longs[2 * n : 3 * n], longs[3 * n :], ints[:n], ints[n:])
+
+    def pad(self, batch: int, bucket: int) -> None:
+        """Rows batch..bucket as padding: token 0 at position 0, writing nowhere, one token of
+        context, row 0."""
+        for field, value in zip(self, (0, 0, -1, 0, 1)):
+            field[batch:bucket] = value
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_batch: int, max_blocks_per_seq: int, device: torch.device,
-                 max_prefix_blocks: int = 0) -> None:
+                 max_prefix_blocks: int = 0, last_token_rows: int = 4096) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_batch, self.max_blocks = max_batch, max_blocks_per_seq
         self.max_prefix_blocks = max_prefix_blocks  # cascade graphs: the shared prefix's bound (0: none)
-        self.prefix_blocks = torch.zeros(1, dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
+        # The per-step inputs: one device buffer and its host image (staged, copied in one go).
+        self.host_buffer = np.zeros(GraphInputs.nbytes(max_batch), dtype=np.uint8)
+        self.host = GraphInputs.views(self.host_buffer, max_batch)
+        self.host.pad(0, max_batch)
+        self.buffer = torch.from_numpy(self.host_buffer).to(device)
+        self.inputs = GraphInputs.views(self.buffer, max_batch)
+        self.input_ids, self.positions, self.slot_mapping, self.rows, self.seq_lens, self.prefix_blocks = self.inputs
+        # Each sequence's latest sampled token by block-table row (the runner writes it after
+        # sampling): the graphs read placeholders' tokens from it. Fixed at capture.
+        self.last_token = torch.zeros(last_token_rows, dtype=torch.long, device=device)
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         # Keyed by (batch bucket, cascade).
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
@@ -62,17 +107,36 @@ class DecodeGraphs:
             keys += [(b, True) for b in self.buckets if b >= CASCADE_MIN_SEQS]
         for key in sorted(keys, reverse=True):  # largest first: later graphs reuse its memory
             batch, cascade = key
-            args = (self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch, cascade))
-            self.model(*args)  # warm-up: compiles kernels, settles allocations
+            self._forward(batch, cascade)  # warm-up: compiles kernels, settles allocations
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[key] = self.model(*args)
+                self.outputs[key] = self._forward(batch, cascade)
             pool = graph.pool() if pool is None else pool
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch sizes up to %d; cascade from %d sequences)", len(self.graphs),
                     self.max_batch, CASCADE_MIN_SEQS)
+
+    def _forward(self, batch: int, cascade: bool) -> torch.Tensor:
+        ids = self.input_ids[:batch]
+        ids = torch.where(ids == PLACEHOLDER, self.last_token[self.rows[:batch]], ids)
+        return self.model(ids, self.positions[:batch], self.kv_caches, self._meta(batch, cascade))
+
+    def bucket(self, batch: int) -> int:
+        return next(b for b in self.buckets if b >= batch)
+
+    def has_cascade(self, batch: int, prefix_blocks: int) -> bool:
+        return (self.bucket(batch), True) in self.graphs and prefix_blocks <= self.max_prefix_blocks
+
+    def replay(self, batch: int, cascade: bool) -> torch.Tensor:
+        """Run the graph of this batch on what the buffers hold (`host` copied into `buffer`,
+        and block_tables): the hidden states of the first `batch` rows."""
+        key = (self.bucket(batch), cascade)
+        t = phase_times.start()
+        self.graphs[key].replay()
+        phase_times.add("graphs.replay", t)
+        return self.outputs[key][:batch]
 
     def can_run(self, batch: int, meta: AttentionMetadata) -> bool:
         if batch > self.max_batch or meta.block_tables.shape[1] > self.max_blocks:
@@ -80,8 +144,10 @@ class DecodeGraphs:
         return meta.prefix_blocks is None or (batch >= CASCADE_MIN_SEQS and meta.max_prefix_blocks <= self.max_prefix_blocks)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Copy a prepared batch's device inputs into the buffers, then replay (multi-step
+        decode, and batches the runner did not write into `host`)."""
         batch = input_ids.shape[0]
-        bucket = next(b for b in self.buckets if b >= batch)
+        bucket = self.bucket(batch)
         width = meta.block_tables.shape[1]
         self.input_ids[:batch].copy_(input_ids, non_blocking=True)
         self.positions[:batch].copy_(positions, non_blocking=True)
@@ -90,8 +156,7 @@ class DecodeGraphs:
         self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
         self.seq_lens[batch:bucket].fill_(1)
         self.block_tables[:batch, :width].copy_(meta.block_tables, non_blocking=True)
-        key = (bucket, meta.prefix_blocks is not None)
-        if key[1]:
+        cascade = meta.prefix_blocks is not None
+        if cascade:
             self.prefix_blocks.copy_(meta.prefix_blocks, non_blocking=True)
-        self.graphs[key].replay()
-        return self.outputs[key][:batch]
+        return self.replay(batch, cascade)

@@ -93,7 +93,7 @@ class ModelRunner:
         self.graphs = None
         # Each sequence's latest sampled token on the device, by block-table row: placeholders
         # read it, so any number of launched steps may be ahead of what the host has read back.
-        self._last_token: torch.Tensor | None = None
+        self._last_token: torch.Tensor | None = None  # the decode graphs' own buffer while it is large enough
         self._rows: torch.Tensor | None = None  # the prepared step's rows, in batch order (device)
         self._batch_cache: tuple[list, list, SamplingBatch] | None = None  # see _sampling_batch
         # The model service reads a step back on one thread while it launches the next on
@@ -109,6 +109,7 @@ class ModelRunner:
             width = self.block_tables.table.shape[1]  # blocks of the longest possible sequence
             self.graphs = DecodeGraphs(self.model, self.pools.layer_caches, min(max_num_seqs, 512), width, self.device,
                                        max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // block_size))
+            self._last_token = self.graphs.last_token
         if self.device.type == "cuda":
             self._compile_kernels()
         self.seqs: dict[str, _SeqState] = {}
@@ -205,21 +206,67 @@ class ModelRunner:
             for s in inp.seqs:
                 self._update_seq(s)
         seqs = _longest_first(inp.seqs)
-        input_ids, positions, meta, sample_rows = self._prepare(seqs)
-        phase_times.add("runner.prepare", t)
-        if inp.num_steps > 1:
-            return self._multi_step(inp.num_steps, seqs, input_ids, positions, meta)
-        hidden = self._forward(input_ids, positions, meta)
-        if not sample_rows:
-            return LaunchedStep(self, [], None)
-        rows = [r for r, _ in sample_rows]
-        logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[self._h2d(np.asarray(rows, dtype=np.int64))])
-        seqs = [s for _, s in sample_rows]
+        hidden = self._graph_decode(seqs) if inp.num_steps == 1 else None
+        if hidden is not None:
+            phase_times.add("runner.graph_decode", t)
+        else:
+            input_ids, positions, meta, sample_rows = self._prepare(seqs)
+            phase_times.add("runner.prepare", t)
+            if inp.num_steps > 1:
+                return self._multi_step(inp.num_steps, seqs, input_ids, positions, meta)
+            t = phase_times.start()
+            hidden = self._forward(input_ids, positions, meta)
+            phase_times.add("runner.forward", t)
+            if not sample_rows:
+                return LaunchedStep(self, [], None)
+            if len(sample_rows) < hidden.shape[0]:
+                hidden = hidden[self._h2d(np.asarray([r for r, _ in sample_rows], dtype=np.int64))]
+            seqs = [s for _, s in sample_rows]
+        t = phase_times.start()
+        logits = self.model.compute_logits(hidden)
         states = [self.seqs[s.seq_id] for s in seqs]
         result = self.sampler(logits, self._sampling_batch(states))
         table_rows = self._rows if len(seqs) == len(inp.seqs) else self._h2d(np.asarray([st.row for st in states], dtype=np.int64))
         self._remember_sampled(table_rows, result.token_ids)
-        return LaunchedStep(self, seqs, result.token_ids[:, None], result)
+        phase_times.add("runner.sample", t)
+        t = phase_times.start()
+        launched = LaunchedStep(self, seqs, result.token_ids[:, None], result)
+        phase_times.add("runner.readback_queued", t)
+        return launched
+
+    def _graph_decode(self, seqs: list[SeqStep]) -> torch.Tensor | None:
+        """A decode batch that samples every sequence, written straight into the decode graphs'
+        input buffers (one staged copy, the block tables a second) and replayed: the hidden
+        states. Placeholders stay PLACEHOLDER; the graph reads their tokens. None when the
+        batch is not for the graphs (prefill, no graphs, too large, rows past the graphs'
+        token buffer): _prepare builds it then."""
+        g = self.graphs
+        n = len(seqs)
+        if g is None or self._staging is None or n > g.max_batch or self._last_token is not g.last_token:
+            return None
+        if any(len(s.token_ids) != 1 or not s.sample for s in seqs):
+            return None
+        states = [self.seqs[s.seq_id] for s in seqs]
+        width = max(st.num_blocks for st in states)
+        if width > g.max_blocks:
+            return None
+        rows = [st.row for st in states]
+        tables = self.block_tables.rows(rows, width)
+        h, bucket, bs = g.host, g.bucket(n), self.block_size
+        h.input_ids[:n] = [s.token_ids[0] for s in seqs]
+        pos = h.positions[:n]
+        pos[:] = [s.start_pos for s in seqs]
+        h.rows[:n] = rows
+        h.seq_lens[:n] = pos + 1
+        h.slot_mapping[:n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+        h.pad(n, bucket)
+        prefix = shared_prefix_blocks(tables, h.seq_lens[:n], bs)
+        cascade = prefix > 0 and g.has_cascade(n, prefix)
+        h.prefix_blocks[0] = prefix if cascade else 0
+        self._staging.copy_into(g.host_buffer, g.buffer)
+        self._staging.copy_into(tables, g.block_tables[:n, :width])
+        self._rows = g.rows[:n]
+        return g.replay(n, cascade)
 
     def _sampling_batch(self, states: list["_SeqState"]) -> SamplingBatch:
         """The step's per-row sampling tensors. A decode batch usually has the rows of the step
@@ -399,6 +446,11 @@ class LaunchedStep:
                 self._event.record()
             else:
                 self._host = token_ids
+
+    def done(self) -> bool:
+        """The device has finished the step (its tokens are in host memory); never blocks.
+        False off CUDA: there the step ran in launch() and is read back in pipeline order."""
+        return self._event is not None and self._event.query()
 
     def result(self) -> StepOutput:
         if self._host is None:

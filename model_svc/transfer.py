@@ -43,10 +43,20 @@ class PinnedStaging:
         self.num_allocs = 0  # pinned buffers allocated (or grown) so far
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A new device tensor holding `array`."""
         host = torch.from_numpy(np.ascontiguousarray(array))
-        nbytes = host.numel() * host.element_size()
-        if nbytes == 0:
+        if host.numel() == 0:
             return torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        return self._copy(host, None)
+
+    def copy_into(self, array: np.ndarray, dst: torch.Tensor) -> None:
+        """`array` into the device tensor `dst` of its shape and dtype (a strided view too)."""
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if host.numel():
+            self._copy(host, dst)
+
+    def _copy(self, host: torch.Tensor, dst: torch.Tensor | None) -> torch.Tensor:
+        nbytes = host.numel() * host.element_size()
         slot = self._next
         self._next = (slot + 1) % len(self._buffers)
         event = self._events[slot]
@@ -59,8 +69,11 @@ class PinnedStaging:
             self.num_allocs += 1
         staged = buf[:nbytes].view(host.dtype).view(host.shape)
         staged.copy_(host)
-        out = staged.to(self.device, non_blocking=True)
+        if dst is None:
+            dst = staged.to(self.device, non_blocking=True)
+        else:
+            dst.copy_(staged, non_blocking=True)
         if event is None:
             event = self._events[slot] = torch.cuda.Event()
         event.record()
-        return out
+        return dst

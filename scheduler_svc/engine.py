@@ -176,7 +176,10 @@ class LLMEngine:
         still sampling are fed on the device as placeholders). Outputs therefore come
         pipeline_depth steps late."""
         t0 = phase_times.start()
-        sched = self._next if self._next is not None else self.scheduler.schedule()
+        sched = self._next
+        if sched is None:  # nothing scheduled ahead (the first step, or after an idle turn)
+            sched = self.scheduler.schedule()
+            phase_times.add("engine.schedule_inline", t0)
         self._next = None
         inp = sched.step
         outputs: list[RequestOutput] = []
@@ -213,9 +216,11 @@ class LLMEngine:
         """A turn of the pipeline that launched nothing (service mode flushes its KV ops)."""
 
     def _drain(self, keep: int) -> list[RequestOutput]:
-        """Read back the oldest steps in flight until `keep` remain."""
+        """Read back the oldest steps in flight until `keep` remain, then any older ones the
+        device has already finished: when the host is the slower side, tokens (a request's
+        first above all) come out a step or two sooner, and nothing waits for that."""
         outputs: list[RequestOutput] = []
-        while len(self._inflight) > keep:
+        while len(self._inflight) > keep or (self._inflight and _finished(self._inflight[0][1])):
             sched, launched = self._inflight.popleft()
             t = phase_times.start()
             result = launched.result()
@@ -300,3 +305,9 @@ class LLMEngine:
         if detok is None:
             detok = self._detokenizers[skip_special_tokens] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
         return detok
+
+
+def _finished(launched: Any) -> bool:
+    """A launched step whose device work is known to be done (False when it cannot tell)."""
+    done = getattr(launched, "done", None)
+    return done is not None and done()

@@ -36,3 +36,25 @@ def test_staged_copies_keep_their_values_while_slots_are_reused():
         staging.to_device(a)
     assert staging.num_allocs == allocs <= 3 * 4
     assert staging.to_device(np.empty((0,), dtype=np.int64)).shape == (0,)
+
+
+@needs_cuda
+def test_copy_into_fills_strided_views_in_stream_order():
+    """copy_into writes a block of a wider device tensor (as the decode graphs' block tables
+    are written) and leaves the rest alone; each copy lands before the work queued after it."""
+    staging = PinnedStaging(torch.device("cuda"), slots=2, min_bytes=64)
+    rng = np.random.default_rng(1)
+    dst = torch.full((8, 32), -5, dtype=torch.int32, device="cuda")
+    busy = torch.randn(2048, 2048, device="cuda")
+    seen, want = [], []
+    for i in range(6):
+        busy = busy @ busy.T / 2048
+        a = rng.integers(0, 1000, (2 + i, 10 + 3 * i)).astype(np.int32)
+        staging.copy_into(a, dst[: a.shape[0], : a.shape[1]])
+        seen.append(dst.clone())  # queued after the copy
+        expect = seen[-2].cpu().clone() if i else torch.full((8, 32), -5, dtype=torch.int32)
+        expect[: a.shape[0], : a.shape[1]] = torch.from_numpy(a)
+        want.append(expect)
+    torch.cuda.synchronize()
+    for got, expect in zip(seen, want):
+        assert torch.equal(got.cpu(), expect)

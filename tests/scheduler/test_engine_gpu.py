@@ -74,3 +74,25 @@ def test_no_triton_compiles_once_warm():
     finally:
         knobs.runtime.jit_post_compile_hook = previous
     assert compiled == []
+
+
+def test_overlapped_graph_decode_with_cascade_equals_eager():
+    """Overlapped decode through the graphs' one-copy inputs (each step's tokens unknown to the
+    host, read inside the graph from the device) over a shared prefix of prefix-cache hits
+    (the cascade graphs) gives the eager path's greedy tokens."""
+    import random
+
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 500) for _ in range(300)]
+    prompts = [prefix + [rng.randrange(3, 500) for _ in range(3 + i)] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    fast = LLM(device="cuda", dtype="float32", num_gpu_blocks=512, async_scheduling=True, enable_prefix_caching=True)
+    slow = LLM(device="cuda", dtype="float32", num_gpu_blocks=512, enforce_eager=True, async_scheduling=False)
+    graphs = fast.engine.model.graphs
+    replays = []
+    replay = graphs.replay
+    graphs.replay = lambda batch, cascade: replays.append((batch, cascade)) or replay(batch, cascade)
+    got = [o.token_ids for o in fast.generate(prompts[:1], params) + fast.generate(prompts[1:], params)]
+    want = [o.token_ids for o in slow.generate(prompts, params)]
+    assert got == want
+    assert (11, True) in replays and (1, False) in replays  # the cascade graph, and plain decode
