@@ -55,6 +55,11 @@ class BlockPool:
             return None
         return block_id
 
+    def holds(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> bool:
+        """The block is still the cached copy of block_hash, with this very token tuple (the
+        object a lookup verified earlier: identity, not a compare)."""
+        return self.hash_to_block.get(block_hash) == block_id and self.blocks[block_id].token_ids is token_ids
+
     # ----------------------------------------------------------------- mutations
     def allocate(self, num: int) -> list[int]:
         """Take `num` blocks with ref 1: free ones first, then evict least recently used
@@ -78,6 +83,15 @@ class BlockPool:
         if block.ref_count == 0:
             del self.lru[block_id]  # a ref-0 block we may acquire is always a cached one
         block.ref_count += 1
+
+    def acquire_all(self, block_ids: list[int]) -> None:
+        """acquire() for each block (a prefix hit's run)."""
+        blocks, lru = self.blocks, self.lru
+        for block_id in block_ids:
+            block = blocks[block_id]
+            if block.ref_count == 0:
+                del lru[block_id]
+            block.ref_count += 1
 
     def release(self, block_id: int) -> None:
         block = self.blocks[block_id]

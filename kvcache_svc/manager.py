@@ -100,6 +100,7 @@ class KVCacheManager:
         self.num_prefix_hits = 0  # of those, tokens served from the cache
         # match_prefix's last prompt: (its hashed blocks as int64 bytes, their chain hashes, extra key)
         self._recent: tuple[bytes, list[int], str | None] | None = None
+        self._recent_hits: list[tuple[int, tuple[int, ...]]] = []  # its hit blocks: (id, the token tuple verified)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -133,15 +134,27 @@ class KVCacheManager:
         hashes = self._recent_hashes(data, extra_key)
         known, width = len(hashes), 8 * bs
         rest = _chain_bytes(data[known * width :], width, hashes[-1] if hashes else None, extra_key)
+        # The last prompt's hits, for the blocks this one shares with it: a block that still
+        # holds the very token tuple it was verified against needs no new tuple and compare.
+        verified = self._recent_hits[: min(known, num_blocks)]
         block_ids: list[int] = []
+        hits: list[tuple[int, tuple[int, ...]]] = []
         for i in range(num_blocks):
-            if i >= known:  # hashed on demand: a miss early in the prompt hashes no further
+            if i < len(verified):
+                block_id, tokens = verified[i]
+                if pool.holds(block_id, hashes[i], tokens):
+                    block_ids.append(block_id)
+                    hits.append(verified[i])
+                    continue
+            elif i >= known:  # hashed on demand: a miss early in the prompt hashes no further
                 hashes.append(next(rest))
             block_id = pool.lookup(hashes[i], tuple(token_ids[i * bs : (i + 1) * bs]))
             if block_id is None:
                 break
             block_ids.append(block_id)
+            hits.append((block_id, pool.blocks[block_id].token_ids))
         self._recent = (data[: len(hashes) * width], hashes, extra_key)
+        self._recent_hits = hits
         return PrefixHit(len(block_ids) * bs, block_ids)
 
     def _recent_hashes(self, data: bytes, extra_key: str | None) -> list[int]:
@@ -175,11 +188,11 @@ class KVCacheManager:
         num_needed = self.num_blocks_for(hit.num_tokens + num_new_tokens) - len(hit.block_ids)
         # Hit blocks that sit in the LRU stop being evictable once we take them.
         pool = self.device
-        available = pool.num_free_blocks - sum(pool.blocks[b].ref_count == 0 for b in hit.block_ids)
-        if num_needed > available:
-            return NoFreeBlocks(num_needed, available)
-        for block_id in hit.block_ids:
-            pool.acquire(block_id)
+        if num_needed > pool.num_free_blocks - len(hit.block_ids):  # else enough even if every hit is evictable
+            available = pool.num_free_blocks - sum(pool.blocks[b].ref_count == 0 for b in hit.block_ids)
+            if num_needed > available:
+                return NoFreeBlocks(num_needed, available)
+        pool.acquire_all(hit.block_ids)
         block_ids = hit.block_ids + pool.allocate(num_needed)
         last_hash = pool.blocks[hit.block_ids[-1]].block_hash if hit.block_ids else None  # the chain continues from the hit
         self.seqs[seq_id] = SeqBlocks(Tier.DEVICE, block_ids, extra_key, len(hit.block_ids), last_hash)

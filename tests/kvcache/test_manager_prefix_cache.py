@@ -224,3 +224,31 @@ def test_recent_hashes_match_fresh_hashing():
                 m.free(f"s{i}")
         fresh._recent = None
         assert mgr.match_prefix(prompt, key) == fresh.match_prefix(prompt, key), (i, cut, key)
+
+
+def test_reused_hits_match_fresh_lookups_under_eviction_and_reset():
+    """Lookups that take the last prompt's verified blocks equal those of a manager without
+    the memo while a small pool evicts cached blocks, the cache is reset and blocks are
+    re-registered between lookups."""
+    import random
+
+    rng = random.Random(11)
+    mgr, fresh = make(num_device=20), make(num_device=20)
+    base = [rng.randrange(30) for _ in range(48)]
+    reused = 0
+    for i in range(120):
+        prompt = base[: rng.randrange(4, 48)] + [rng.randrange(30) for _ in range(rng.randrange(1, 6))]
+        event = rng.random()
+        if event < 0.35:  # register (evicting older cached blocks of the 20)
+            for m in (mgr, fresh):
+                run_prompt(m, f"s{i}", prompt[:36])
+                m.free(f"s{i}")
+        elif event < 0.42:
+            assert mgr.reset_prefix_cache() == fresh.reset_prefix_cache()
+        fresh._recent = None
+        before = len(mgr._recent_hits)
+        got = mgr.match_prefix(prompt)
+        assert got == fresh.match_prefix(prompt), i
+        reused += before > 0 and got.num_tokens > 0
+    assert reused > 10  # the memo was exercised
+    mgr.check_invariants()
