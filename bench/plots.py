@@ -25,6 +25,8 @@ HISTORY = [
     ("v10 service\nmode (3 procs)", 23961),
     ("v11 sampler\nby column\nranges", 24710),
     ("v11 service\nmode (3 procs)", 25687),
+    ("v12 one-copy\ngraph inputs", 24800),
+    ("v12 service\nmode (3 procs)", 26006),
 ]
 
 
@@ -96,7 +98,7 @@ def throughput_plot(results: Path, out: Path) -> Path:
 
     text = (results / "throughput_h200.md").read_text()
     roof = number(table_rows(text, "| mode |")[0][4])
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig, ax = plt.subplots(figsize=(max(10.0, 1.15 * len(HISTORY)), 4.4))  # room for each bar's label
     ax.bar([label for label, _ in HISTORY], [v for _, v in HISTORY], color="tab:blue")
     for i, (_, v) in enumerate(HISTORY):
         ax.text(i, v + 300, f"{v:,}", ha="center", fontsize=8)
