@@ -85,7 +85,8 @@ class BlockPool:
         block.ref_count += 1
 
     def acquire_all(self, block_ids: list[int]) -> None:
-        """acquire() for each block (a prefix hit's run)."""
+        """acquire() for each block (a prefix hit's run), in one call. A subclass that
+        records the blocks it changes (kvcache_svc.state.TrackedBlockPool) overrides both."""
         blocks, lru = self.blocks, self.lru
         for block_id in block_ids:
             block = blocks[block_id]

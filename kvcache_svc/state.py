@@ -72,6 +72,10 @@ class TrackedBlockPool(BlockPool):
         super().acquire(block_id)
         self.dirty.add(block_id)
 
+    def acquire_all(self, block_ids: list[int]) -> None:
+        super().acquire_all(block_ids)
+        self.dirty.update(block_ids)
+
     def release(self, block_id: int) -> None:
         super().release(block_id)
         self.dirty.add(block_id)
