@@ -242,7 +242,7 @@ def main() -> None:
         config_path, model = runner.model_path, runner.model
         # Free the embedded engine's KV pools and graphs: the model service takes its own.
         del llm
-        runner.graphs = runner.pools = None
+        runner.graphs = runner.prefill_graphs = runner.pools = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         svc, services = run_service(args, config_path, model if runner.random_weights else None)

@@ -263,6 +263,7 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D), unit stride along D
     v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D), likewise
     slot_mapping: torch.Tensor,  # (N,) int64; slot = block_id * block_size + offset; -1 = skip
+    out: torch.Tensor | None = None,  # (N, Hq, D) contiguous, q's dtype: where q goes (allocated when None)
 ) -> torch.Tensor:  # new contiguous q (N, Hq, D)
     """qk_norm_rope, with the rotated k and a copy of v written into the caches at the slots (in
     place; as store_kvcache) instead of returned: one launch, one program per (token, head) over
@@ -275,7 +276,11 @@ def qk_norm_rope_store(
     assert k_cache.shape == cache_shape and v_cache.shape == cache_shape, f"caches must be {cache_shape}"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
     assert slot_mapping.shape == (n,)
-    q_out = torch.empty((n, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        q_out = torch.empty((n, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    else:
+        assert out.shape == (n, num_q_heads, head_dim) and out.dtype == q.dtype and out.is_contiguous(), "out: contiguous (N, Hq, D) of q's dtype"
+        q_out = out
     if n == 0:
         return q_out
     half = head_dim // 2

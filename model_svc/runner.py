@@ -18,6 +18,7 @@ from kernels import select_ops
 from model_svc.attention_metadata import CASCADE_MAX_TOKENS, AttentionMetadata, shared_prefix_blocks
 from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.loader import load_model, resolve_dtype
+from model_svc.prefill_graphs import PrefillGraphs, supports_piecewise
 from model_svc.sampler import Sampler, SamplingBatch, make_generator
 from model_svc.step import PLACEHOLDER, SampledToken, SeqStep, StepInput, StepOutput
 from model_svc.transfer import PinnedStaging, to_device
@@ -91,6 +92,7 @@ class ModelRunner:
         max_len = min(self.config.max_position_embeddings, num_device_blocks * block_size)
         self.block_tables = HostBlockTables(-(-max_len // block_size))
         self.graphs = None
+        self.prefill_graphs: PrefillGraphs | None = None  # prefill and mixed steps of up to 2,048 tokens
         # Each sequence's latest sampled token on the device, by block-table row: placeholders
         # read it, so any number of launched steps may be ahead of what the host has read back.
         self._last_token: torch.Tensor | None = None  # the decode graphs' own buffer while it is large enough
@@ -110,6 +112,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.pools.layer_caches, min(max_num_seqs, 512), width, self.device,
                                        max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // block_size))
             self._last_token = self.graphs.last_token
+            if supports_piecewise(self.model):
+                self.prefill_graphs = PrefillGraphs(self.model, self.pools.layer_caches, max_num_batched_tokens, self.device)
         if self.device.type == "cuda":
             self._compile_kernels()
         self.seqs: dict[str, _SeqState] = {}
@@ -314,6 +318,8 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.graphs is not None and meta.is_decode and self.graphs.can_run(input_ids.shape[0], meta):
             return self.graphs.run(input_ids, positions, meta)
+        if self.prefill_graphs is not None and not meta.is_decode and self.prefill_graphs.bucket(input_ids.shape[0]):
+            return self.prefill_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.pools.layer_caches, meta)
 
     def _multi_step(self, num_steps: int, seqs: list[SeqStep], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> "LaunchedStep":

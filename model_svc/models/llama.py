@@ -74,28 +74,32 @@ class LlamaAttention(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # (N, hidden)
         n = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # (N, Hq, D)
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
         if self.fused_qk_norm_rope_store is not None and self.attn.has_cache(kv_cache):
-            v = v.view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, D), a view like q and k
-            q = self._norm_rope_store(q, k, v, rope, kv_cache, attn.slot_mapping)  # contiguous (N, Hq, D)
+            q = self.query_and_store(qkv, rope, kv_cache, attn.slot_mapping)  # contiguous (N, Hq, D)
             o = self.attn(q, None, None, kv_cache, attn, stored=True)  # (N, Hq, D)
         else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(n, self.num_heads, self.head_dim)  # (N, Hq, D)
+            k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
             v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()  # (N, Hkv, D)
             q, k = self._norm_rope(q, k, rope)  # contiguous (N, Hq, D), (N, Hkv, D)
             o = self.attn(q, k, v, kv_cache, attn)  # (N, Hq, D)
         return self.o_proj(o.reshape(n, self.q_size))
 
-    def _norm_rope_store(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache,
-        slot_mapping: torch.Tensor,
-    ) -> torch.Tensor:
-        """_norm_rope's q, with the rotated k and v written into the cache instead (one launch)."""
+    def query_and_store(
+        self, qkv: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache, slot_mapping: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # (N, Hq, D), contiguous (`out` when given)
+        """The qkv projection's output -> q after the per-head norm and rotary, with the rotated
+        k and v written into the cache at the slots (one launch; fused Triton ops only)."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q_w, k_w, eps = self._norm_args()
         k_cache, v_cache = kv_cache
         return self.fused_qk_norm_rope_store(
-            q, k, v, rope.positions, rope.cos_sin_cache, q_w, k_w, eps, k_cache, v_cache, slot_mapping
+            q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
+            v.view(n, self.num_kv_heads, self.head_dim), rope.positions, rope.cos_sin_cache, q_w, k_w, eps,
+            k_cache, v_cache, slot_mapping, out=out,
         )
 
     def _norm_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
@@ -157,6 +161,21 @@ class LlamaDecoderLayer(nn.Module):
             return self.mlp.down(gate_up), residual
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rope, kv_cache, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+    # The layer in two halves around its attention (model_svc.prefill_graphs replays each half
+    # from a CUDA graph): together they are forward() on the fused Triton path with a cache.
+    def before_attention(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryInputs, kv_cache: KVCache,
+        slot_mapping: torch.Tensor, q_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (q (N, Hq, D), residual (N, hidden))
+        x, residual = self.input_layernorm(x, residual)
+        attn = self.self_attn
+        return attn.query_and_store(attn.qkv_proj(x), rope, kv_cache, slot_mapping, q_out), residual
+
+    def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.self_attn.o_proj(o.reshape(o.shape[0], -1))  # o: (N, Hq, D)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
