@@ -27,6 +27,7 @@ HISTORY = [
     ("v11 service\nmode (3 procs)", 25687),
     ("v12 one-copy\ngraph inputs", 24800),
     ("v12 service\nmode (3 procs)", 26006),
+    ("v13 prefill\ngraphs", 24439),
 ]
 
 
