@@ -106,6 +106,7 @@ def paged_prefill_attention_ref(
     cu_seqlens_q: torch.Tensor,  # (B + 1,) int32, prefix sums of the new-token counts
     seq_lens: torch.Tensor,  # (B,) int32, context length incl. the new tokens
     scale: float,
+    max_query_len: int = 0,  # the most new tokens of one sequence if known (a hint for kernels' tiling; unused here)
 ) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
     """Causal attention for a ragged batch of new tokens whose earlier context (prefix-cache
     hits, earlier prefill chunks) and own K/V are already in the paged cache. The new tokens

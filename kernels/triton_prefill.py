@@ -56,9 +56,16 @@ class PrefillConfig:
     split_p: bool = False
 
 
-def default_prefill_config(dtype: torch.dtype, head_dim: int) -> PrefillConfig:
+SHORT_QUERIES = 64  # new tokens per sequence up to which the prefill kernel takes 64-row tiles
+
+
+def default_prefill_config(dtype: torch.dtype, head_dim: int, max_query_len: int = 0) -> PrefillConfig:
     """16-bit, head_dim <= 128: 128 x 128 tiles, 8 warps (two Hopper warpgroups), 3 stages
-    (the fastest of five configs measured on the H200, bench/results/kernels_h200.md).
+    (the fastest of five configs measured on the H200, bench/results/kernels_h200.md). When
+    no sequence brings more than 64 new tokens (0 < max_query_len <= 64: prompts served
+    mostly from the prefix cache, short chunks), 128-row tiles would be mostly empty: 64 x 64
+    tiles at 4 warps (H200, 64 sequences x 32 new tokens over 1,056-token contexts: 120 us a
+    layer against 229).
     Larger heads and fp32 (whose exact products run on FMA units and need many registers)
     use smaller tiles, chosen so that the compiled kernels do not spill. The interpreter uses
     16 x 16 tiles so that small test shapes still span several tiles."""
@@ -69,6 +76,8 @@ def default_prefill_config(dtype: torch.dtype, head_dim: int) -> PrefillConfig:
         return PrefillConfig(block_m=32, block_n=16, num_warps=4 if block_d <= 64 else 8, num_stages=2)
     if block_d > 128:
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if 0 < max_query_len <= SHORT_QUERIES:
+        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
@@ -180,9 +189,10 @@ def prefill_with_config(
     scale: float,
     config: PrefillConfig | None = None,
     out: torch.Tensor | None = None,  # (Nq, Hq, D), contiguous; allocated when None
+    max_query_len: int = 0,  # the most new tokens of one sequence, if known: picks the default tiles
 ) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
-    """paged_prefill_attention with an explicit tile config and output buffer (for tests and
-    benchmarks); None picks the defaults."""
+    """paged_prefill_attention with an explicit tile config and output buffer (for tests,
+    benchmarks and the piecewise prefill graphs); None picks the defaults."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
@@ -194,7 +204,7 @@ def prefill_with_config(
     q = q if q.stride(-1) == 1 else q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
     if config is None:
-        config = default_prefill_config(q.dtype, head_dim)
+        config = default_prefill_config(q.dtype, head_dim, max_query_len)
     num_tiles = num_tokens // config.block_m + num_seqs
     _prefill_kernel[(num_tiles, num_q_heads)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
@@ -220,6 +230,7 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,  # (B + 1,) int32, prefix sums of the new-token counts
     seq_lens: torch.Tensor,  # (B,) int32, context length incl. the new tokens
     scale: float,
+    max_query_len: int = 0,  # the most new tokens of one sequence if known (0: not): picks the tiles
 ) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
     """Triton version of kernels.reference.paged_prefill_attention_ref."""
-    return prefill_with_config(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    return prefill_with_config(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len=max_query_len)

@@ -55,10 +55,15 @@ class BlockPool:
             return None
         return block_id
 
-    def holds(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> bool:
-        """The block is still the cached copy of block_hash, with this very token tuple (the
-        object a lookup verified earlier: identity, not a compare)."""
-        return self.hash_to_block.get(block_hash) == block_id and self.blocks[block_id].token_ids is token_ids
+    def num_still_held(self, hashes: list[int], verified: list[tuple[int, tuple[int, ...]]]) -> int:
+        """How many leading (block id, token tuple) pairs of `verified` (an earlier lookup's
+        hits) are still the cached blocks of `hashes`, with the very token tuples that lookup
+        compared (identity, not a compare)."""
+        hash_to_block, blocks = self.hash_to_block, self.blocks
+        for i, (block_hash, (block_id, token_ids)) in enumerate(zip(hashes, verified)):
+            if hash_to_block.get(block_hash) != block_id or blocks[block_id].token_ids is not token_ids:
+                return i
+        return len(verified)
 
     # ----------------------------------------------------------------- mutations
     def allocate(self, num: int) -> list[int]:

@@ -136,17 +136,10 @@ class KVCacheManager:
         rest = _chain_bytes(data[known * width :], width, hashes[-1] if hashes else None, extra_key)
         # The last prompt's hits, for the blocks this one shares with it: a block that still
         # holds the very token tuple it was verified against needs no new tuple and compare.
-        verified = self._recent_hits[: min(known, num_blocks)]
-        block_ids: list[int] = []
-        hits: list[tuple[int, tuple[int, ...]]] = []
-        for i in range(num_blocks):
-            if i < len(verified):
-                block_id, tokens = verified[i]
-                if pool.holds(block_id, hashes[i], tokens):
-                    block_ids.append(block_id)
-                    hits.append(verified[i])
-                    continue
-            elif i >= known:  # hashed on demand: a miss early in the prompt hashes no further
+        hits = self._recent_hits[: pool.num_still_held(hashes, self._recent_hits[: min(known, num_blocks)])]
+        block_ids = [block_id for block_id, _ in hits]
+        for i in range(len(hits), num_blocks):
+            if i >= known:  # hashed on demand: a miss early in the prompt hashes no further
                 hashes.append(next(rest))
             block_id = pool.lookup(hashes[i], tuple(token_ids[i * bs : (i + 1) * bs]))
             if block_id is None:

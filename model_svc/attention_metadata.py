@@ -33,6 +33,9 @@ class AttentionMetadata:
     # the cascade kernel; None: plain decode. max_prefix_blocks: its host-known bound.
     prefix_blocks: torch.Tensor | None = None
     max_prefix_blocks: int = 0
+    # Prefill only: the most new tokens of one sequence, known on the host (it picks the
+    # prefill kernel's tiles); 0 when unknown.
+    max_query_len: int = 0
 
 
 def shared_prefix_blocks(tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:

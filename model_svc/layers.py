@@ -224,7 +224,7 @@ class Attention(nn.Module):
                                                          attn.prefix_blocks, attn.max_prefix_blocks)
             return self.ops.paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
         return self.ops.paged_prefill_attention(
-            q, k_cache, v_cache, attn.block_tables, attn.cu_seqlens_q, attn.seq_lens, self.scale
+            q, k_cache, v_cache, attn.block_tables, attn.cu_seqlens_q, attn.seq_lens, self.scale, attn.max_query_len
         )
 
     def _causal_no_cache(

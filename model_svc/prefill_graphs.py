@@ -89,9 +89,9 @@ class PrefillGraphs:
         if attn.ops.name == "triton":  # straight into the buffer the next piece reads
             from kernels.triton_prefill import prefill_with_config
 
-            prefill_with_config(*args, out=self.attn_out[:n])
+            prefill_with_config(*args, out=self.attn_out[:n], max_query_len=meta.max_query_len)
         else:
-            self.attn_out[:n].copy_(attn.ops.paged_prefill_attention(*args))
+            self.attn_out[:n].copy_(attn.ops.paged_prefill_attention(*args, meta.max_query_len))
 
     @torch.inference_mode()
     def _capture(self) -> None:

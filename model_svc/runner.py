@@ -163,21 +163,24 @@ class ModelRunner:
         cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
-            block_tables=torch.zeros((len(lens), 1), dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((len(lens), -(-max(lens) // self.block_size)), dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             cu_seqlens_q=cu,
             is_decode=False,
+            max_query_len=max(lens),
         )
         return torch.zeros(n, dtype=torch.long, device=dev), positions, meta
 
     @torch.inference_mode()
     def _compile_kernels(self) -> None:
-        """Run once what the decode graphs do not: a paged prefill of two sequences (nothing
-        written: slots -1; they read block 0, whatever it holds) and temperature sampling, so
-        that their Triton kernels compile at start-up, not in the middle of the first requests
-        (a second or two each on a fresh machine)."""
-        ids, positions, meta = self._dummy_prefill([16, 16])
-        hidden = self.model(ids, positions, self.pools.layer_caches, meta)
+        """Run once what the decode graphs do not: paged prefills with a long and with short
+        new-token runs (the prefill kernel's two tilings; nothing written: slots -1; they read
+        block 0, whatever it holds) and temperature sampling, so that their Triton kernels
+        compile at start-up, not in the middle of the first requests (a second or two each on
+        a fresh machine)."""
+        for lens in ([80], [16, 16]):  # the prefill kernel's tiles for long and for short new-token runs
+            ids, positions, meta = self._dummy_prefill(lens)
+            hidden = self.model(ids, positions, self.pools.layer_caches, meta)
         dev = self.device
         plain = _ProfileSampling(top_k=0, top_p=1.0, min_p=0.0)  # temperature only: the fused kernel
         params = [plain, _ProfileSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)]
@@ -420,6 +423,7 @@ class ModelRunner:
             cu_seqlens_q=packed_dev[3 * t + num_seqs : 3 * t + 2 * num_seqs + 1].to(torch.int32),
             is_decode=num_tokens == num_seqs,
             prefix_blocks=packed_dev[-1:].to(torch.int32) if prefix else None, max_prefix_blocks=prefix,
+            max_query_len=max(lens),
         )
         ids_dev, pos_dev = packed_dev[:t], packed_dev[t : 2 * t]
         return ids_dev, pos_dev, meta, sample_rows

@@ -317,11 +317,26 @@ def test_prefill_matches_reference(device, dtype, batch, block_size, head_dim, h
 
 @pytest.mark.parametrize(
     "config",
-    [PrefillConfig(128, 64, 8, 3), PrefillConfig(32, 16, 4, 2), PrefillConfig(16, 32, 4, 2)],
-    ids=["128x64", "32x16", "16x32"],
+    [PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(32, 16, 4, 2), PrefillConfig(16, 32, 4, 2)],
+    ids=["128x64", "64x64", "32x16", "16x32"],
 )
 def test_prefill_other_tile_configs(device, config):
     run_prefill_case(device, torch.bfloat16, "ragged", 8, 64, (8, 2), config=config)
+
+
+def test_prefill_tiles_follow_the_longest_new_token_run(monkeypatch):
+    """On a GPU, 16-bit: 64-row tiles when no sequence brings more than 64 new tokens, the
+    128 x 128 tiles otherwise or when the longest run is unknown (0); fp32 and the interpreter
+    keep their own tiles."""
+    import kernels.triton_prefill as tp
+
+    monkeypatch.setattr(tp, "interpreting", lambda: False)
+    bf16 = torch.bfloat16
+    assert tp.default_prefill_config(bf16, 128, 32) == tp.default_prefill_config(bf16, 128, 64) == PrefillConfig(64, 64, 4, 3)
+    assert tp.default_prefill_config(bf16, 128, 65) == tp.default_prefill_config(bf16, 128, 0) == PrefillConfig(128, 128, 8, 3)
+    assert tp.default_prefill_config(torch.float32, 128, 32).block_m == 32
+    monkeypatch.setattr(tp, "interpreting", lambda: True)
+    assert tp.default_prefill_config(bf16, 128, 32).block_m == 16
 
 
 def test_prefill_public_entry_point(device):
