@@ -3,6 +3,8 @@
     decode_h200.png      decode attention, % of the copy bandwidth per (B, L) cell: Triton
                          (in a CUDA graph where the eager time measures the host), SDPA, Flex
     throughput_h200.png  headline throughput by engine version against the roofline and target
+    prefix_h200.png      prefix caching on vs off: throughput and TTFT p50 ratios of every run
+                         by engine version, against the targets
 
     python bench/plots.py [--results bench/results] [--out docs/bench]
 """
@@ -28,6 +30,15 @@ HISTORY = [
     ("v12 one-copy\ngraph inputs", 24800),
     ("v12 service\nmode (3 procs)", 26006),
     ("v13 prefill\ngraphs", 24439),
+]
+
+# (label, [(throughput on/off, TTFT p50 off/on) per run]) of bench/prefix.py, as bench/NOTES.md
+# and the result files record them
+PREFIX_HISTORY = [
+    ("v11 sampler by\ncolumn ranges", [(2.32, 3.01), (2.73, 5.04)]),
+    ("v12 one-copy\ngraph inputs", [(2.58, 3.50), (2.27, 3.37), (2.66, 4.71)]),
+    ("v13 prefill\ngraphs", [(2.75, 5.52), (2.77, 6.04), (2.76, 5.91)]),
+    ("v14 short-run\nprefill tiles", [(2.73, 5.87), (2.72, 5.38)]),
 ]
 
 
@@ -118,6 +129,34 @@ def throughput_plot(results: Path, out: Path) -> Path:
     return path
 
 
+def prefix_plot(out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, k, target, title in ((axes[0], 0, 3.0, "throughput, caching on / off"),
+                                 (axes[1], 1, 5.0, "TTFT p50, caching off / on")):
+        for i, (_, runs) in enumerate(PREFIX_HISTORY):
+            values = [r[k] for r in runs]
+            ax.scatter([i] * len(values), values, color="tab:blue", zorder=3)
+            ax.text(i + 0.08, max(values), f"{max(values):.2f}x", fontsize=8, va="bottom")
+        ax.axhline(target, color="tab:red", linestyle="--", linewidth=1)
+        ax.text(len(PREFIX_HISTORY) - 0.35, target * 1.015, f"target {target:.0f}x", fontsize=8, color="tab:red", ha="right")
+        ax.set_xticks(range(len(PREFIX_HISTORY)), [label for label, _ in PREFIX_HISTORY], fontsize=8)
+        ax.set_xlim(-0.5, len(PREFIX_HISTORY) - 0.3)
+        ax.set_ylim(0, target * 1.35)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("ratio (each dot one run)")
+    fig.suptitle("Prefix caching on the H200: 1,024-token shared prefix, 64 requests x 32 + 128 tokens", fontsize=10)
+    fig.tight_layout()
+    path = out / "prefix_h200.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"))
@@ -125,7 +164,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for path in (decode_plot(Path(args.results), out), throughput_plot(Path(args.results), out)):
+    for path in (decode_plot(Path(args.results), out), throughput_plot(Path(args.results), out), prefix_plot(out)):
         print(f"wrote {path}")
 
 
