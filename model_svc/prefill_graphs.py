@@ -16,7 +16,10 @@ static buffer that the next piece reads.
 
 The pieces of all buckets share one memory pool and are captured in the order they are
 replayed (largest bucket first); an intermediate that the next piece has consumed is
-released, so the pool holds about one forward's activations, not one per piece.
+released, so the pool holds about one forward's activations, not one per piece. A step
+replays one bucket's pieces in order and leaves nothing in the pool that a later step reads
+(only each bucket's final hidden states, which stay allocated), so steps of different
+buckets may follow each other in any order.
 """
 
 from __future__ import annotations
