@@ -24,8 +24,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from model_svc.attention_metadata import CASCADE_MIN_SEQS, AttentionMetadata
+from model_svc.attention_metadata import CASCADE_MIN_SEQS, AttentionMetadata, shared_prefix_blocks
 from model_svc.step import PLACEHOLDER
+from model_svc.transfer import PinnedStaging
 from scheduler_svc import phase_times
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class GraphInputs(NamedTuple):
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_batch: int, max_blocks_per_seq: int, device: torch.device,
-                 max_prefix_blocks: int = 0, last_token_rows: int = 4096) -> None:
+                 max_prefix_blocks: int = 0, last_token_rows: int = 4096, capture: bool = True) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_batch, self.max_blocks = max_batch, max_blocks_per_seq
         self.max_prefix_blocks = max_prefix_blocks  # cascade graphs: the shared prefix's bound (0: none)
@@ -78,7 +79,7 @@ class DecodeGraphs:
         self.host_buffer = np.zeros(GraphInputs.nbytes(max_batch), dtype=np.uint8)
         self.host = GraphInputs.views(self.host_buffer, max_batch)
         self.host.pad(0, max_batch)
-        self.buffer = torch.from_numpy(self.host_buffer).to(device)
+        self.buffer = torch.from_numpy(self.host_buffer).to(device, copy=True)
         self.inputs = GraphInputs.views(self.buffer, max_batch)
         self.input_ids, self.positions, self.slot_mapping, self.rows, self.seq_lens, self.prefix_blocks = self.inputs
         # Each sequence's latest sampled token by block-table row (the runner writes it after
@@ -90,7 +91,8 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.buckets = batch_buckets(max_batch)
-        self._capture()
+        if capture:  # (tests of the input handling build it without graphs, on any device)
+            self._capture()
 
     def _meta(self, batch: int, cascade: bool) -> AttentionMetadata:
         return AttentionMetadata(
@@ -128,6 +130,27 @@ class DecodeGraphs:
 
     def has_cascade(self, batch: int, prefix_blocks: int) -> bool:
         return (self.bucket(batch), True) in self.graphs and prefix_blocks <= self.max_prefix_blocks
+
+    def replay_decode(self, token_ids: list[int], positions: list[int], rows: list[int], tables: np.ndarray,
+                      block_size: int, staging: PinnedStaging) -> torch.Tensor:
+        """One decode step's hidden states (n, hidden): its values written into the host image
+        (PLACEHOLDER tokens stay so: the graph reads them from last_token), the padding rows
+        of its bucket reset, then one staged copy of the image and one of the block tables
+        (rows, as wide as the longest), and the replay of the plain or the cascade graph."""
+        n, h = len(token_ids), self.host
+        h.input_ids[:n] = token_ids
+        pos = h.positions[:n]
+        pos[:] = positions
+        h.rows[:n] = rows
+        h.seq_lens[:n] = pos + 1
+        h.slot_mapping[:n] = tables[np.arange(n), pos // block_size].astype(np.int64) * block_size + pos % block_size
+        h.pad(n, self.bucket(n))
+        prefix = shared_prefix_blocks(tables, h.seq_lens[:n], block_size)
+        cascade = prefix > 0 and self.has_cascade(n, prefix)
+        h.prefix_blocks[0] = prefix if cascade else 0
+        staging.copy_into(self.host_buffer, self.buffer)
+        staging.copy_into(tables, self.block_tables[:n, : tables.shape[1]])
+        return self.replay(n, cascade)
 
     def replay(self, batch: int, cascade: bool) -> torch.Tensor:
         """Run the graph of this batch on what the buffers hold (`host` copied into `buffer`,

@@ -86,15 +86,14 @@ class PrefillGraphs:
         return None
 
     def _attention(self, i: int, n: int, meta: AttentionMetadata) -> None:
+        """Layer i's paged prefill attention, straight into the buffer the next piece reads
+        (supports_piecewise: the model is on the Triton ops)."""
+        from kernels.triton_prefill import prefill_with_config  # Triton is imported only where it runs
+
         attn = self.layers[i].self_attn.attn
         k_cache, v_cache = self.kv_caches[i]
-        args = (self.q[:n], k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, attn.scale)
-        if attn.ops.name == "triton":  # straight into the buffer the next piece reads
-            from kernels.triton_prefill import prefill_with_config
-
-            prefill_with_config(*args, out=self.attn_out[:n], max_query_len=meta.max_query_len)
-        else:
-            self.attn_out[:n].copy_(attn.ops.paged_prefill_attention(*args, meta.max_query_len))
+        prefill_with_config(self.q[:n], k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, attn.scale,
+                            out=self.attn_out[:n], max_query_len=meta.max_query_len)
 
     @torch.inference_mode()
     def _capture(self) -> None:

@@ -17,10 +17,11 @@ import torch
 from kernels import select_ops
 from model_svc.attention_metadata import CASCADE_MAX_TOKENS, AttentionMetadata, shared_prefix_blocks
 from model_svc.kv_cache import HostBlockTables, KVCachePools
+from model_svc.launched_step import LaunchedStep
 from model_svc.loader import load_model, resolve_dtype
 from model_svc.prefill_graphs import PrefillGraphs, supports_piecewise
 from model_svc.sampler import Sampler, SamplingBatch, make_generator
-from model_svc.step import PLACEHOLDER, SampledToken, SeqStep, StepInput, StepOutput
+from model_svc.step import PLACEHOLDER, SeqStep, StepInput, StepOutput
 from model_svc.transfer import PinnedStaging, to_device
 from scheduler_svc import phase_times
 
@@ -192,7 +193,7 @@ class ModelRunner:
         return self.launch(inp).result()
 
     @torch.inference_mode()
-    def launch(self, inp: StepInput) -> "LaunchedStep":
+    def launch(self, inp: StepInput) -> LaunchedStep:
         """Queue the step's device work and return at once; `result()` waits for the sampled
         tokens. The host can schedule the next step meanwhile: a decode token given as
         PLACEHOLDER is taken on the device from what this runner sampled last."""
@@ -213,11 +214,14 @@ class ModelRunner:
             for s in inp.seqs:
                 self._update_seq(s)
         seqs = _longest_first(inp.seqs)
-        hidden = self._graph_decode(seqs) if inp.num_steps == 1 else None
+        states = [self.seqs[s.seq_id] for s in seqs]
+        rows = [st.row for st in states]
+        tables = self.block_tables.rows(rows, max(st.num_blocks for st in states))  # the step's block tables
+        hidden = self._graph_decode(seqs, rows, tables) if inp.num_steps == 1 else None
         if hidden is not None:
             phase_times.add("runner.graph_decode", t)
         else:
-            input_ids, positions, meta, sample_rows = self._prepare(seqs)
+            input_ids, positions, meta, sample_rows = self._prepare(seqs, rows, tables)
             phase_times.add("runner.prepare", t)
             if inp.num_steps > 1:
                 return self._multi_step(inp.num_steps, seqs, input_ids, positions, meta)
@@ -228,10 +232,10 @@ class ModelRunner:
                 return LaunchedStep(self, [], None)
             if len(sample_rows) < hidden.shape[0]:
                 hidden = hidden[self._h2d(np.asarray([r for r, _ in sample_rows], dtype=np.int64))]
-            seqs = [s for _, s in sample_rows]
+                seqs = [s for _, s in sample_rows]
+                states = [self.seqs[s.seq_id] for s in seqs]
         t = phase_times.start()
         logits = self.model.compute_logits(hidden)
-        states = [self.seqs[s.seq_id] for s in seqs]
         result = self.sampler(logits, self._sampling_batch(states))
         table_rows = self._rows if len(seqs) == len(inp.seqs) else self._h2d(np.asarray([st.row for st in states], dtype=np.int64))
         self._remember_sampled(table_rows, result.token_ids)
@@ -241,39 +245,20 @@ class ModelRunner:
         phase_times.add("runner.readback_queued", t)
         return launched
 
-    def _graph_decode(self, seqs: list[SeqStep]) -> torch.Tensor | None:
-        """A decode batch that samples every sequence, written straight into the decode graphs'
-        input buffers (one staged copy, the block tables a second) and replayed: the hidden
-        states. Placeholders stay PLACEHOLDER; the graph reads their tokens. None when the
-        batch is not for the graphs (prefill, no graphs, too large, rows past the graphs'
-        token buffer): _prepare builds it then."""
+    def _graph_decode(self, seqs: list[SeqStep], rows: list[int], tables: np.ndarray) -> torch.Tensor | None:
+        """A decode batch that samples every sequence, replayed from the decode graphs with its
+        inputs written straight into their buffers (DecodeGraphs.replay_decode): the hidden
+        states. None when the batch is not for the graphs (prefill, no graphs, too large, rows
+        past the graphs' token buffer): _prepare builds it then."""
         g = self.graphs
         n = len(seqs)
         if g is None or self._staging is None or n > g.max_batch or self._last_token is not g.last_token:
             return None
-        if any(len(s.token_ids) != 1 or not s.sample for s in seqs):
+        if tables.shape[1] > g.max_blocks or any(len(s.token_ids) != 1 or not s.sample for s in seqs):
             return None
-        states = [self.seqs[s.seq_id] for s in seqs]
-        width = max(st.num_blocks for st in states)
-        if width > g.max_blocks:
-            return None
-        rows = [st.row for st in states]
-        tables = self.block_tables.rows(rows, width)
-        h, bucket, bs = g.host, g.bucket(n), self.block_size
-        h.input_ids[:n] = [s.token_ids[0] for s in seqs]
-        pos = h.positions[:n]
-        pos[:] = [s.start_pos for s in seqs]
-        h.rows[:n] = rows
-        h.seq_lens[:n] = pos + 1
-        h.slot_mapping[:n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
-        h.pad(n, bucket)
-        prefix = shared_prefix_blocks(tables, h.seq_lens[:n], bs)
-        cascade = prefix > 0 and g.has_cascade(n, prefix)
-        h.prefix_blocks[0] = prefix if cascade else 0
-        self._staging.copy_into(g.host_buffer, g.buffer)
-        self._staging.copy_into(tables, g.block_tables[:n, :width])
         self._rows = g.rows[:n]
-        return g.replay(n, cascade)
+        return g.replay_decode([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs], rows, tables,
+                               self.block_size, self._staging)
 
     def _sampling_batch(self, states: list["_SeqState"]) -> SamplingBatch:
         """The step's per-row sampling tensors. A decode batch usually has the rows of the step
@@ -325,7 +310,7 @@ class ModelRunner:
             return self.prefill_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.pools.layer_caches, meta)
 
-    def _multi_step(self, num_steps: int, seqs: list[SeqStep], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> "LaunchedStep":
+    def _multi_step(self, num_steps: int, seqs: list[SeqStep], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> LaunchedStep:
         """num_steps decode steps back to back: each feeds the tokens the previous one sampled,
         with positions, slots and lengths advanced on the device; one host sync at the end.
         The scheduler has reserved the blocks of every sub-step."""
@@ -378,10 +363,11 @@ class ModelRunner:
         if end > state.num_blocks * self.block_size:
             raise ValueError(f"sequence {s.seq_id!r}: {end} tokens but only {state.num_blocks} blocks")
 
-    def _prepare(self, seqs: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, SeqStep]]]:
-        """Flatten the batch. Block tables come from the persistent host table (rows updated
-        by diffs); the slot mapping is computed from them on the host, and every per-token and
-        per-sequence array travels in one host-to-device copy."""
+    def _prepare(self, seqs: list[SeqStep], rows: list[int], tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, SeqStep]]]:
+        """Flatten the batch (rows: the sequences' rows of the persistent host block table,
+        tables: those rows, as wide as the longest). The slot mapping is computed from the
+        tables on the host, and every per-token and per-sequence array travels in one
+        host-to-device copy."""
         num_seqs = len(seqs)
         lens = [len(s.token_ids) for s in seqs]
         num_tokens = sum(lens)
@@ -400,11 +386,7 @@ class ModelRunner:
         cu[0] = 0
         np.cumsum(lens, out=cu[1:])
         sample_rows = [(int(cu[b + 1]) - 1, s) for b, s in enumerate(seqs) if s.sample]
-        states = [self.seqs[s.seq_id] for s in seqs]
-        width = max(st.num_blocks for st in states)
-        rows = [st.row for st in states]
         packed[3 * num_tokens + 2 * num_seqs + 1 : -1] = rows
-        tables = self.block_tables.rows(rows, width)
         bs = self.block_size
         prefix = shared_prefix_blocks(tables, seq_lens, bs) if num_tokens == num_seqs else 0
         packed[-1] = prefix
@@ -438,52 +420,3 @@ def _longest_first(seqs: list[SeqStep]) -> list[SeqStep]:
     if len(seqs) < 2 or any(len(s.token_ids) != 1 for s in seqs):
         return seqs
     return sorted(seqs, key=lambda s: -s.start_pos)
-
-
-class LaunchedStep:
-    """A step whose device work is queued: the sampled ids are copied to pinned host memory
-    behind an event, so waiting for them does not stall the work queued after it."""
-
-    def __init__(self, runner: ModelRunner, seqs: list[SeqStep], token_ids: torch.Tensor | None, sampler_out=None) -> None:
-        self.runner, self.seqs, self.sampler_out = runner, seqs, sampler_out
-        self._host = None
-        self._event = None
-        if token_ids is not None:
-            if token_ids.is_cuda:
-                self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-                self._host.copy_(token_ids, non_blocking=True)
-                self._event = torch.cuda.Event()
-                self._event.record()
-            else:
-                self._host = token_ids
-
-    def done(self) -> bool:
-        """The device has finished the step (its tokens are in host memory); never blocks.
-        False off CUDA: there the step ran in launch() and is read back in pipeline order."""
-        return self._event is not None and self._event.query()
-
-    def result(self) -> StepOutput:
-        if self._host is None:
-            return StepOutput()
-        if self._event is not None:
-            self._event.synchronize()
-        tokens = self._host.tolist()  # (B, num_steps)
-        runner = self.runner
-        out = StepOutput([SampledToken(s.seq_id, toks[0], extra_token_ids=toks[1:]) for s, toks in zip(self.seqs, tokens)])
-        with runner._state_lock:  # the model service may be launching the next step meanwhile
-            for s, toks in zip(self.seqs, tokens):
-                state = runner.seqs.get(s.seq_id)
-                if state is not None:  # history for penalties: the tokens sampled here, by position
-                    end = s.start_pos + len(s.token_ids)
-                    state.token_ids[end:] = toks
-        result = self.sampler_out
-        if result is not None and result.logprobs is not None:
-            logprobs = result.logprobs.tolist()
-            top_ids, top_lps = result.top_token_ids.tolist(), result.top_logprobs.tolist()
-            for i, s in enumerate(self.seqs):
-                state = runner.seqs.get(s.seq_id)
-                n = state.sampling.logprobs if state is not None else None
-                if n is not None:
-                    out.sampled[i].logprob = logprobs[i]
-                    out.sampled[i].top_logprobs = list(zip(top_ids[i][:n], top_lps[i][:n]))
-        return out

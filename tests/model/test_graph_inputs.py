@@ -36,3 +36,57 @@ def test_host_image_reads_back_as_the_typed_views_after_one_copy():
     starts = sorted((f.data_ptr(), f.data_ptr() + f.numel() * f.element_size()) for f in dev)
     assert all(end <= nxt for (_, end), (nxt, _) in zip(starts, starts[1:]))
     assert starts[-1][1] <= dev.input_ids.data_ptr() + GraphInputs.nbytes(max_batch)
+
+
+class _Graph:
+    def __init__(self, key, log):
+        self.key, self.log = key, log
+
+    def replay(self):
+        self.log.append(self.key)
+
+
+class _Staging:
+    """PinnedStaging's copy_into on the CPU: a plain copy."""
+
+    def copy_into(self, array, dst):
+        dst.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+
+
+def test_replay_decode_writes_what_the_graphs_read():
+    """DecodeGraphs.replay_decode (no graphs captured; the CPU): the device buffers hold the
+    step's tokens (placeholders kept), positions, rows, context lengths, slots and block
+    tables, the bucket's padding rows are reset, and the cascade graph runs for a batch whose
+    tables share enough leading blocks, the plain one otherwise."""
+    from model_svc.attention_metadata import CASCADE_MIN_SEQS, CASCADE_MIN_TOKENS
+    from model_svc.cuda_graphs import DecodeGraphs
+    from model_svc.step import PLACEHOLDER
+
+    bs, width = 16, 24
+    shared = CASCADE_MIN_TOKENS // bs  # blocks of the common prefix
+    g = DecodeGraphs(None, [], 16, width, torch.device("cpu"), max_prefix_blocks=width, capture=False)
+    log = []
+    keys = [(b, c) for b in g.buckets for c in (False, True) if not c or b >= CASCADE_MIN_SEQS]
+    g.graphs = {k: _Graph(k, log) for k in keys}
+    g.outputs = {k: torch.arange(k[0] * 2).view(k[0], 2) for k in keys}
+
+    def step(n, common):
+        tables = np.stack([np.r_[np.arange(common), 100 + 10 * i + np.arange(width - common - 4)] for i in range(n)]).astype(np.int32)
+        positions = [shared * bs + 3 + i for i in range(n)]
+        tokens = [PLACEHOLDER if i % 2 else 7 + i for i in range(n)]
+        rows = [40 - i for i in range(n)]
+        out = g.replay_decode(tokens, positions, rows, tables, bs, _Staging())
+        assert out.shape == (n, 2)
+        bucket = g.bucket(n)
+        d = g.inputs
+        assert d.input_ids[:n].tolist() == tokens and d.rows[:n].tolist() == rows
+        assert d.positions[:n].tolist() == positions and d.seq_lens[:n].tolist() == [p + 1 for p in positions]
+        assert d.slot_mapping[:n].tolist() == [int(tables[i, p // bs]) * bs + p % bs for i, p in enumerate(positions)]
+        assert d.slot_mapping[n:bucket].eq(-1).all() and d.seq_lens[n:bucket].eq(1).all() and d.rows[n:bucket].eq(0).all()
+        assert torch.equal(g.block_tables[:n, : tables.shape[1]], torch.from_numpy(tables))
+        return log[-1], d.prefix_blocks.item()
+
+    # tables share shared + 2 blocks, but the contexts fill only `shared` blocks wholly
+    assert step(CASCADE_MIN_SEQS + 1, shared + 2) == ((16, True), shared)
+    assert step(3, shared + 2) == ((4, False), 0)  # too few sequences for cascade
+    assert step(CASCADE_MIN_SEQS, 0) == ((8, False), 0)  # nothing shared
