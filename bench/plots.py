@@ -39,6 +39,7 @@ PREFIX_HISTORY = [
     ("v12 one-copy\ngraph inputs", [(2.58, 3.50), (2.27, 3.37), (2.66, 4.71)]),
     ("v13 prefill\ngraphs", [(2.75, 5.52), (2.77, 6.04), (2.76, 5.91)]),
     ("v14 short-run\nprefill tiles", [(2.73, 5.87), (2.72, 5.38), (2.81, 7.21), (2.80, 7.42)]),
+    ("v15 gate|up + SiLU\nin one kernel", [(2.86, 7.18), (2.83, 5.72)]),
 ]
 
 

@@ -129,7 +129,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, hidden)
-        return self.down(self.gate_up_proj(x))
+        gate_up, gemv_ops = self.gate_up_proj, self.gate_up_proj.gemv_ops
+        if gemv_ops is not None and gate_up.bias is None and gemv_ops.use_silu_mul_linear(x, gate_up.weight):
+            return self.down_proj(gemv_ops.silu_mul_linear(x, gate_up.weight))  # decode at tens of rows
+        return self.down(gate_up(x))
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N, hidden)
         down, gemv_ops = self.down_proj, self.down_proj.gemv_ops

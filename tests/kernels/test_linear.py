@@ -1,6 +1,7 @@
 """The small-batch projections (kernels.triton_linear) against F.linear: one to four rows, any
 N and K (partial tiles), with and without bias, strided rows, and the fused SiLU-and-mul and
-RMSNorm inputs against their separate kernels."""
+RMSNorm inputs against their separate kernels; the gate|up projection with SiLU-and-mul in its
+epilogue against the two separate steps."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels.reference import rms_norm_ref, silu_and_mul_ref
-from kernels.triton_linear import GEMV_MAX_ROWS, gemv, gemv_block_n, rms_norm_gemv, use_gemv
+from kernels.triton_linear import (
+    GEMV_MAX_ROWS,
+    gemv,
+    gemv_block_n,
+    rms_norm_gemv,
+    silu_mul_linear,
+    use_gemv,
+    use_silu_mul_linear,
+)
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -91,3 +100,36 @@ def test_rms_norm_gemv_is_norm_then_linear(device, dtype, m, n, k, with_residual
     out, got_residual = rms_norm_gemv(x, residual, norm_w, 1e-6, w, b)
     assert torch.equal(got_residual, new_residual)
     check(out, F.linear(normed.float(), w.float(), b.float()).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,inter,k", [(64, 48, 64), (33, 40, 80), (5, 16, 32)])
+def test_silu_mul_linear_is_linear_then_silu_and_mul(device, dtype, m, inter, k):
+    """Partial tiles in every dimension (40 of 16-column tiles, K = 80 in 32-deep steps, 33 or
+    5 of 64 or 16 rows), strided input rows: gate and up rounded as the projection's output,
+    then the activation as the separate op rounds it."""
+    gen = torch.Generator().manual_seed(m + inter + k)
+    wide = torch.randn((m, k + 8), generator=gen).to(device, dtype)
+    x = wide[:, 8:]
+    w = (torch.randn((2 * inter, k), generator=gen) / k**0.5).to(device, dtype)
+    gate_up = F.linear(x.float(), w.float()).to(dtype)
+    act = silu_and_mul_ref(gate_up)
+    out = silu_mul_linear(x, w)
+    assert torch.isfinite(out.float()).all()
+    # A gate or up value one ulp off (another summation order) moves the product by about an
+    # ulp of each factor: two ulps of the result.
+    assert out.dtype == act.dtype and out.shape == act.shape
+    eps = torch.finfo(dtype).eps
+    bound = 2 * eps * torch.maximum(out.float().abs(), act.float().abs()).clamp(min=2**-6)
+    assert ((out.float() - act.float()).abs() <= bound).all()
+    assert (out != act).float().mean() < 0.05
+    assert silu_mul_linear(x[:0], w).shape == (0, inter)
+
+
+def test_silu_mul_linear_dispatch():
+    w = torch.zeros((6144, 1024), dtype=torch.bfloat16)
+    rows = lambda m, dtype=torch.bfloat16: torch.zeros((m, 1024), dtype=dtype)  # noqa: E731
+    assert use_silu_mul_linear(rows(64), w) and use_silu_mul_linear(rows(33), w)
+    assert not use_silu_mul_linear(rows(32), w) and not use_silu_mul_linear(rows(65), w)
+    assert not use_silu_mul_linear(rows(64, torch.float32), w.float())  # fp32 keeps the exact path
+    assert not use_silu_mul_linear(rows(64), w.t().contiguous().t())  # weight rows not contiguous
