@@ -12,6 +12,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Streaming multiprocessors assumed when the tensors are not on a GPU (the interpreter):
 # an H200, so that split counts chosen under the interpreter match the ones on the GPU.
@@ -62,6 +63,43 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return DEFAULT_NUM_SMS
+
+
+PDL_ENV = "PICOVLLM_PDL"  # "1": programmatic dependent launch for the kernels that take it (opt-in)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch, opt-in (PICOVLLM_PDL=1; Hopper and later, not under the
+    interpreter): a kernel launched with it may start while the kernel before it in the
+    stream is still finishing (once every program of that one has passed its
+    `pdl_prologue`), so its launch and start-up overlap the other's tail. A CUDA graph's
+    capture keeps it as a programmatic edge. The RMSNorm, q/k-norm + rotary + KV store,
+    SiLU-and-mul, decode, cascade and small-batch projection kernels take it.
+
+    Not on by default: on the H200 (bench/NOTES.md) it made the steps of small kernels
+    faster (batch-1 decode 0.942 -> 0.883 ms a token; the prefix workload's cached run
+    31,843 -> 32,517 and 34,247 tok/s) but the steps of large ones slower (the same
+    workload's uncached run 11,622 -> 11,283 and 11,247 tok/s; the headline 24,300 -> 23,863,
+    one run), for reasons not yet measured."""
+    if device.type != "cuda" or interpreting() or os.environ.get(PDL_ENV, "0") != "1":
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """The first statement of a kernel launched with launch_pdl=PDL: wait until the previous
+    kernel in the stream has completed and its writes are visible (nothing before this may
+    read what that kernel wrote), then let the next kernel start launching. Waiting first
+    keeps at most two kernels' programs on the GPU at once. A no-op without PDL."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def dot_precision(dtype: torch.dtype) -> str:

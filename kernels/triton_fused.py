@@ -23,7 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import cdiv, fix_bf16_rounding, next_pow2, round_to
+from kernels.triton_common import (
+    cdiv,
+    fix_bf16_rounding,
+    next_pow2,
+    pdl_prologue,
+    round_to,
+    use_pdl,
+)
 
 
 # ---- rms_norm ----
@@ -35,7 +42,9 @@ def _rms_norm_kernel(
     stride_x, stride_res, stride_out, stride_new_res,
     hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, FIX_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     dt = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
@@ -72,11 +81,13 @@ def rms_norm(
     if n == 0:
         return out, new_residual
     block = next_pow2(hidden)
+    pdl = use_pdl(x.device)
     _rms_norm_kernel[(n,)](
         x, residual, weight, out, new_residual,
         x.stride(0), residual.stride(0), out.stride(0), new_residual.stride(0),
         hidden, eps,
         HAS_RESIDUAL=new_residual is not x, BLOCK=block, FIX_BF16=fix_bf16_rounding(x.dtype),
+        PDL=pdl, launch_pdl=pdl,
         num_warps=min(16, max(1, block // 256)),
     )  # fmt: skip
     return out, new_residual
@@ -212,9 +223,11 @@ def _qk_norm_rope_store_kernel(
     num_q_heads, num_kv_heads, eps,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PAGE: tl.constexpr, HAS_NORM: tl.constexpr,
     FIX_BF16: tl.constexpr, FIX_K_CACHE: tl.constexpr, FIX_V_CACHE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Programs (token, head) over Hq + 2 Hkv heads: q heads -> q_out, then k heads -> k_cache,
     then v heads -> v_cache (a copy); a k or v head of a token with slot < 0 writes nothing."""
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
@@ -284,6 +297,7 @@ def qk_norm_rope_store(
     if n == 0:
         return q_out
     half = head_dim // 2
+    pdl = use_pdl(q.device)
     _qk_norm_rope_store_kernel[(n, num_q_heads + 2 * num_kv_heads)](
         q, k, v, q_out, k_cache, v_cache,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
@@ -295,6 +309,7 @@ def qk_norm_rope_store(
         HALF=half, BLOCK_HALF=next_pow2(half), PAGE=k_cache.shape[1], HAS_NORM=has_norm,
         FIX_BF16=fix_bf16_rounding(q.dtype),
         FIX_K_CACHE=_cast_needs_fix(k.dtype, k_cache.dtype), FIX_V_CACHE=_cast_needs_fix(v.dtype, v_cache.dtype),
+        PDL=pdl, launch_pdl=pdl,
         num_warps=1,
     )  # fmt: skip
     return q_out
@@ -304,7 +319,11 @@ def qk_norm_rope_store(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr, FIX_BF16: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr, FIX_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -322,8 +341,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N,
     if n == 0:
         return out
     block = min(1024, next_pow2(inter))
+    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[(n, cdiv(inter, block))](  # fmt: skip
         x, out, x.stride(0), out.stride(0), inter,
-        BLOCK=block, FIX_BF16=fix_bf16_rounding(x.dtype), num_warps=min(4, max(1, block // 256)),
+        BLOCK=block, FIX_BF16=fix_bf16_rounding(x.dtype), PDL=pdl, launch_pdl=pdl,
+        num_warps=min(4, max(1, block // 256)),
     )
     return out

@@ -34,8 +34,10 @@ from kernels.triton_common import (
     mma,
     next_pow2,
     num_sms,
+    pdl_prologue,
     round_to,
     upcast_dot,
+    use_pdl,
 )
 
 GEMV_MAX_ROWS = 4
@@ -59,6 +61,7 @@ def _gemv_kernel(
     M, N, stride_xm, stride_wn, stride_om, stride_rm, stride_nrm,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FIX_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Program i: outputs [i * BLOCK_N, (i + 1) * BLOCK_N) of all rows, over the whole of K
     in steps of BLOCK_K (K is a compile-time constant; the loop is unrolled). At one row the
@@ -68,6 +71,7 @@ def _gemv_kernel(
     The input row is x, or silu(gate) * up of x's halves (SILU_MUL), or RMSNorm(x + residual)
     (NORM; every program normalises the few rows itself, they sit in L2, and program 0 writes
     the new residual). Each is rounded where the separate kernels round."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -183,12 +187,14 @@ def _launch_gemv(
     has_residual = residual is not None
     residual = residual if has_residual else x  # unused by the kernel then
     new_residual = new_residual if has_residual else x
+    pdl = use_pdl(x.device)
     _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         residual, norm_weight if norm_weight is not None else x, new_residual, eps,
         m, n, x.stride(0), weight.stride(0), out.stride(0), residual.stride(0), new_residual.stride(0),
         K=k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RESIDUAL=has_residual,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, FIX_BF16=fix_bf16_rounding(x.dtype),
+        PDL=pdl, launch_pdl=pdl,
         num_warps=GEMV_WARPS,
     )  # fmt: skip
     return out
@@ -224,12 +230,14 @@ def _silu_mul_linear_kernel(
     x_ptr, w_ptr, out_ptr, M, stride_xm, stride_wn, stride_om,
     INTER: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FIX_BF16: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Program i: activation columns [i * BLOCK_N, (i + 1) * BLOCK_N) of every row, from the
     gate rows and the up rows of those columns (W is [gate | up], (2 INTER, K)): two tensor-core
     products over the same input tiles, then silu(gate) * up, each value rounded where the
     separate kernels round it (gate and up as the projection's output, the SiLU, the
     product)."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -283,10 +291,12 @@ def silu_mul_linear(
         return out
     interp = interpreting()
     block_n, block_k = (16, 32) if interp else (32, 128)
+    pdl = use_pdl(x.device)
     _silu_mul_linear_kernel[(cdiv(inter, block_n),)](
         x, weight, out, m, x.stride(0), weight.stride(0), out.stride(0),
         INTER=inter, K=k, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
         FIX_BF16=fix_bf16_rounding(x.dtype), PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.dtype),
+        PDL=pdl, launch_pdl=pdl,
         num_warps=4, num_stages=1 if interp else 5,
     )  # fmt: skip
     return out

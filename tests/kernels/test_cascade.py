@@ -206,9 +206,12 @@ def test_gpu_cascade_production_shapes(dtype, batch, heads):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_cascade_captures_in_cuda_graph():
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain-launch", "programmatic-launch"])
+def test_gpu_cascade_captures_in_cuda_graph(monkeypatch, pdl):
     """No host sync inside: captured once, replayed with another prefix length (a device
-    value) and other queries."""
+    value) and other queries; with programmatic dependent launch too (the suffix kernel reads
+    the prefix kernel's partials only after its prologue waits for it)."""
+    monkeypatch.setenv("PICOVLLM_PDL", pdl)
     gen = torch.Generator().manual_seed(14)
     cuda = torch.device("cuda")
     lens = [1100, 1024, 1300]

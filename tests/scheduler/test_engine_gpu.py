@@ -96,3 +96,22 @@ def test_overlapped_graph_decode_with_cascade_equals_eager():
     want = [o.token_ids for o in slow.generate(prompts, params)]
     assert got == want
     assert (11, True) in replays and (1, False) in replays  # the cascade graph, and plain decode
+
+
+def test_programmatic_dependent_launch_changes_no_token(monkeypatch):
+    """PICOVLLM_PDL=1 only changes when kernels start, never what they compute: bf16 greedy
+    tokens with it equal those without, through the decode graphs (plain and cascade over a
+    shared prefix), the fused gate|up + SiLU kernel (40 rows) and the eager prefill."""
+    import random
+
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, 500) for _ in range(200)]
+    prompts = [prefix + [rng.randrange(3, 500) for _ in range(2 + i % 7)] for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run(pdl: str) -> list[list[int]]:
+        monkeypatch.setenv("PICOVLLM_PDL", pdl)  # read at every launch and at graph capture
+        llm = LLM(device="cuda", dtype="bfloat16", num_gpu_blocks=1024, async_scheduling=True, enable_prefix_caching=True)
+        return [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)]
+
+    assert run("1") == run("0")
