@@ -179,7 +179,8 @@ def _launch_gemv(
     if m == 0:
         return out
     rows = next_pow2(m)
-    block_n = gemv_block_n(n, num_sms(x.device))
+    # The interpreter runs programs one after another: few wide ones (the math is the same).
+    block_n = 32 if interpreting() else gemv_block_n(n, num_sms(x.device))
     # One step over the whole of K where it fits in GEMV_ELEMS_PER_THREAD (one row of
     # Qwen3-0.6B's projections: all of them), so that every weight load is issued at once.
     step = GEMV_ELEMS_PER_THREAD * 32 * GEMV_WARPS // block_n
