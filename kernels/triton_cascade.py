@@ -56,10 +56,10 @@ from kernels.triton_common import (
     load_rows,
     next_pow2,
     num_sms,
+    pdl_launch,
     pdl_prologue,
     split_p,
     upcast_dot,
-    use_pdl,
 )
 from kernels.triton_decode import (
     MAX_SPLITS,
@@ -321,7 +321,6 @@ def cascade_with_config(
     precision, upcast = dot_precision(q.dtype), upcast_dot(q.dtype)
     scale_log2 = scale * LOG2E
 
-    pdl = use_pdl(q.device)
     if max_prefix_len > 0:  # else prefix_blocks is 0 and every prefix program would return at once
         _prefix_kernel[(num_row_tiles, num_chunks, num_kv_heads)](
             q, k_cache, v_cache, block_tables, prefix_blocks,
@@ -333,7 +332,7 @@ def cascade_with_config(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page,
             BLOCK_M=block_m, BLOCK_N=prefix_n, MIN_CHUNK=min_chunk,
             PRECISION=precision, UPCAST=upcast, SPLIT_P=config.prefix.split_p and split_p(q.dtype),
-            PDL=pdl, launch_pdl=pdl, num_warps=config.prefix.num_warps, num_stages=config.prefix.num_stages,
+            **pdl_launch(q.device), num_warps=config.prefix.num_warps, num_stages=config.prefix.num_stages,
         )
 
     # The decode kernel's arrival counters: every launch of either kernel leaves them at zero,
@@ -355,7 +354,7 @@ def cascade_with_config(
         COUNTERS=num_splits > 1, PRECISION=precision, UPCAST=upcast,
         SPLIT_P=config.suffix.split_p and split_p(q.dtype),
         FIX_BF16=fix_bf16_rounding(q.dtype), GROUP_P2=group_p2, BLOCK_S=block_s,
-        PDL=pdl, launch_pdl=pdl,
+        **pdl_launch(q.device),
         num_warps=config.suffix.num_warps, num_stages=config.suffix.num_stages,
     )
     return out

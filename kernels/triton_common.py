@@ -91,6 +91,13 @@ def use_pdl(device: torch.device) -> bool:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a kernel that begins with `pdl_prologue(PDL)`: its PDL
+    constexpr and Triton's launch_pdl option, both from use_pdl, so they always agree."""
+    pdl = use_pdl(device)
+    return {"PDL": pdl, "launch_pdl": pdl}
+
+
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
     """The first statement of a kernel launched with launch_pdl=PDL: wait until the previous

@@ -33,12 +33,12 @@ from kernels.triton_common import (
     mma_pv,
     next_pow2,
     num_sms,
+    pdl_launch,
     pdl_prologue,
     round_to,
     softmax_step,
     split_p,
     upcast_dot,
-    use_pdl,
 )
 
 
@@ -321,7 +321,6 @@ def decode_with_config(
     group_p2 = next_pow2(group)
     block_s = max(1, min(32, 8192 // (block_d * group_p2)))
 
-    pdl = use_pdl(q.device)
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, part_out, part_lse, counters,
@@ -335,7 +334,7 @@ def decode_with_config(
         PAGE=page, BLOCK_N=config.block_n,
         DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), SPLIT_P=config.split_p and split_p(q.dtype),
         FIX_BF16=fix_bf16_rounding(q.dtype), GROUP_P2=group_p2, BLOCK_S=block_s,
-        PDL=pdl, launch_pdl=pdl,
+        **pdl_launch(q.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

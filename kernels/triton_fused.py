@@ -27,9 +27,9 @@ from kernels.triton_common import (
     cdiv,
     fix_bf16_rounding,
     next_pow2,
+    pdl_launch,
     pdl_prologue,
     round_to,
-    use_pdl,
 )
 
 
@@ -81,13 +81,12 @@ def rms_norm(
     if n == 0:
         return out, new_residual
     block = next_pow2(hidden)
-    pdl = use_pdl(x.device)
     _rms_norm_kernel[(n,)](
         x, residual, weight, out, new_residual,
         x.stride(0), residual.stride(0), out.stride(0), new_residual.stride(0),
         hidden, eps,
         HAS_RESIDUAL=new_residual is not x, BLOCK=block, FIX_BF16=fix_bf16_rounding(x.dtype),
-        PDL=pdl, launch_pdl=pdl,
+        **pdl_launch(x.device),
         num_warps=min(16, max(1, block // 256)),
     )  # fmt: skip
     return out, new_residual
@@ -297,7 +296,6 @@ def qk_norm_rope_store(
     if n == 0:
         return q_out
     half = head_dim // 2
-    pdl = use_pdl(q.device)
     _qk_norm_rope_store_kernel[(n, num_q_heads + 2 * num_kv_heads)](
         q, k, v, q_out, k_cache, v_cache,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
@@ -309,7 +307,7 @@ def qk_norm_rope_store(
         HALF=half, BLOCK_HALF=next_pow2(half), PAGE=k_cache.shape[1], HAS_NORM=has_norm,
         FIX_BF16=fix_bf16_rounding(q.dtype),
         FIX_K_CACHE=_cast_needs_fix(k.dtype, k_cache.dtype), FIX_V_CACHE=_cast_needs_fix(v.dtype, v_cache.dtype),
-        PDL=pdl, launch_pdl=pdl,
+        **pdl_launch(q.device),
         num_warps=1,
     )  # fmt: skip
     return q_out
@@ -341,10 +339,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N,
     if n == 0:
         return out
     block = min(1024, next_pow2(inter))
-    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[(n, cdiv(inter, block))](  # fmt: skip
         x, out, x.stride(0), out.stride(0), inter,
-        BLOCK=block, FIX_BF16=fix_bf16_rounding(x.dtype), PDL=pdl, launch_pdl=pdl,
+        BLOCK=block, FIX_BF16=fix_bf16_rounding(x.dtype), **pdl_launch(x.device),
         num_warps=min(4, max(1, block // 256)),
     )
     return out

@@ -34,10 +34,10 @@ from kernels.triton_common import (
     mma,
     next_pow2,
     num_sms,
+    pdl_launch,
     pdl_prologue,
     round_to,
     upcast_dot,
-    use_pdl,
 )
 
 GEMV_MAX_ROWS = 4
@@ -188,14 +188,13 @@ def _launch_gemv(
     has_residual = residual is not None
     residual = residual if has_residual else x  # unused by the kernel then
     new_residual = new_residual if has_residual else x
-    pdl = use_pdl(x.device)
     _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         residual, norm_weight if norm_weight is not None else x, new_residual, eps,
         m, n, x.stride(0), weight.stride(0), out.stride(0), residual.stride(0), new_residual.stride(0),
         K=k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RESIDUAL=has_residual,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, FIX_BF16=fix_bf16_rounding(x.dtype),
-        PDL=pdl, launch_pdl=pdl,
+        **pdl_launch(x.device),
         num_warps=GEMV_WARPS,
     )  # fmt: skip
     return out
@@ -292,12 +291,11 @@ def silu_mul_linear(
         return out
     interp = interpreting()
     block_n, block_k = (16, 32) if interp else (32, 128)
-    pdl = use_pdl(x.device)
     _silu_mul_linear_kernel[(cdiv(inter, block_n),)](
         x, weight, out, m, x.stride(0), weight.stride(0), out.stride(0),
         INTER=inter, K=k, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
         FIX_BF16=fix_bf16_rounding(x.dtype), PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.dtype),
-        PDL=pdl, launch_pdl=pdl,
+        **pdl_launch(x.device),
         num_warps=4, num_stages=1 if interp else 5,
     )  # fmt: skip
     return out
