@@ -81,9 +81,9 @@ def use_pdl(device: torch.device) -> bool:
     capture keeps it as a programmatic edge. The RMSNorm, q/k-norm + rotary + KV store,
     SiLU-and-mul, decode, cascade and small-batch projection kernels take it.
 
-    Not on by default: on the H200 (bench/NOTES.md) it made the steps of small kernels
-    faster (batch-1 decode 0.942 -> 0.883 ms a token; the prefix workload's cached run
-    31,843 -> 32,517 and 34,247 tok/s) but the steps of large ones slower (the same
+    Not on by default: on the H200 (bench/results/pdl_h200.md) it made the steps of small
+    kernels faster (batch-1 decode 0.942 -> 0.883 ms a token; the prefix workload's cached
+    run ~31,800 -> 32,517 and 34,247 tok/s) but the steps of large ones slower (the same
     workload's uncached run 11,622 -> 11,283 and 11,247 tok/s; the headline 24,300 -> 23,863,
     one run), for reasons not yet measured."""
     if device.type != "cuda" or interpreting() or os.environ.get(PDL_ENV, "0") != "1":
