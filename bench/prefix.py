@@ -1,7 +1,9 @@
 """Prefix caching on vs off (BENCHMARKS.md section 4): a 1,024-token shared prefix plus 64
 distinct 32-token suffixes, 128 output tokens each. After an untimed batch of the same shape
 with another prefix (one-time warm-up costs), one request warms the prefix (as a system prompt
-would be); then the 64 arrive together. Reports TTFT p50/p99 and throughput.
+would be); then the 64 arrive together. Reports TTFT p50/p99 and throughput of each of
+--repeats runs per mode (each with its own prefix), and the ratios of the medians: a cached
+run lasts a quarter of a second, so one run's figure moves by several per cent with the host.
 
     python bench/prefix.py [--model qwen3-0.6b] [--out bench/results/prefix_h200.md]
     python bench/prefix.py --profile   # where the timed runs' time goes instead of the table
@@ -26,22 +28,33 @@ from bench.throughput import RunCounters  # noqa: E402
 from scheduler_svc import phase_times  # noqa: E402
 
 
-def run(args, caching: bool, profile: str | None = None) -> dict:
+def run(args, caching: bool, profile: str | None = None) -> list[dict]:
+    """One engine, warmed up, then args.repeats timed runs, each with its own prefix and
+    suffixes (so a run finds only its own prefix cached)."""
     from scheduler_svc import SamplingParams
 
     rng = random.Random(0)
-    prefix = [rng.randrange(10000) for _ in range(args.prefix_len)]
-    prompts = [prefix + [rng.randrange(10000) for _ in range(args.suffix_len)] for _ in range(args.num_requests + 1)]
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.output_len)
     llm, _ = make_llm(args.model, args.device, enable_prefix_caching=caching, max_num_batched_tokens=args.max_num_batched_tokens,
                       async_scheduling=args.overlap)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # compile / warm-up
-    # Warm-up at full size with an unrelated prefix (no hits for the timed run): the first
+    # Warm-up at full size with an unrelated prefix (no hits for the timed runs): the first
     # batch of a shape pays one-time costs (allocator growth, pinned staging buffers) that a
     # serving engine has behind it; they are not what caching changes.
-    other = [rng.randrange(10000) for _ in range(args.prefix_len)]
-    llm.generate([other + p[args.prefix_len:] for p in prompts], params)
+    llm.generate(make_prompts(args, rng), params)
+    counters = RunCounters()
+    return [timed_run(args, llm, make_prompts(args, rng), params, caching, profile, counters) for _ in range(args.repeats)]
+
+
+def make_prompts(args, rng: random.Random) -> list[list[int]]:
+    """A fresh shared prefix, then num_requests + 1 prompts of it plus a distinct suffix."""
+    prefix = [rng.randrange(10000) for _ in range(args.prefix_len)]
+    return [prefix + [rng.randrange(10000) for _ in range(args.suffix_len)] for _ in range(args.num_requests + 1)]
+
+
+def timed_run(args, llm, prompts: list[list[int]], params, caching: bool, profile: str | None, counters: RunCounters) -> dict:
     llm.generate(prompts[:1], params)  # the first user of the shared prefix
+    hits_before = llm.engine.kv.num_prefix_hits
     engine = llm.engine
     sync = device_sync(args.device)
     sync()
@@ -55,7 +68,6 @@ def run(args, caching: bool, profile: str | None = None) -> dict:
         prof.__enter__()
     phase_times.reset()
     steps_before = engine.scheduler.stats.num_steps
-    counters = RunCounters()
     counted = counters.snapshot()
     start = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts[1:]]
@@ -88,7 +100,8 @@ def run(args, caching: bool, profile: str | None = None) -> dict:
     sync()
     seconds = time.perf_counter() - start
     ttft = [(first[i] - start) * 1e3 for i in ids]
-    during = RunCounters.delta(counted, counters.snapshot())
+    after = counters.snapshot()
+    during = {k: after[k] - counted[k] for k in after}
     if prof is None and first_steps is None and phase_times.ENABLED:
         print(f"== caching {'on' if caching else 'off'}: phase timers of the later {len(step_ends) - 1} steps, {seconds * 1e3:.1f} ms; "
               f"{len(ids)} add_request calls {(added - start) * 1e3:.2f} ms; first step() calls, ms: " + ", ".join(f"{(b - a) * 1e3:.2f}" for a, b in zip([added, *step_ends], step_ends[:4])))
@@ -97,7 +110,7 @@ def run(args, caching: bool, profile: str | None = None) -> dict:
         prof.__exit__(None, None, None)
         report_profile(prof, caching, seconds, start, added, step_ends, engine.scheduler.stats.num_steps - steps_before, len(ids))
     return {"caching": caching, "seconds": seconds, "tok_s": tokens / seconds, "ttft_p50": percentile(ttft, 50),
-            "ttft_p99": percentile(ttft, 99), "hit_tokens": engine.kv.num_prefix_hits,
+            "ttft_p99": percentile(ttft, 99), "hit_tokens": engine.kv.num_prefix_hits - hits_before,
             "overlap": engine.async_scheduling, "during": during}
 
 
@@ -139,30 +152,41 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs of each mode (each its own prefix); the ratios use the medians")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="instead of the table: step wall times, device kernels and host ops of both timed runs, "
                          "then the first two steps and fifty decode steps of each under cProfile")
     args = ap.parse_args()
     if args.profile:
+        args.repeats = 1
         for kind in ("device", "host"):
             run(args, True, profile=kind)
             run(args, False, profile=kind)
         return
     env = environment()
-    on, off = run(args, True), run(args, False)
+    ons, offs = run(args, True), run(args, False)
+    on, off = median_run(ons), median_run(offs)
     lines = [
-        "| prefix caching | seconds | output tok/s | TTFT p50 ms | TTFT p99 ms | prompt tokens from cache |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-        *(f"| {'on' if r['caching'] else 'off'} | {r['seconds']:.2f} | {r['tok_s']:,.0f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['hit_tokens']} |" for r in (on, off)),
+        "| prefix caching | run | seconds | output tok/s | TTFT p50 ms | TTFT p99 ms | prompt tokens from cache |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *(f"| {'on' if r['caching'] else 'off'} | {i + 1} | {r['seconds']:.3f} | {r['tok_s']:,.0f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['hit_tokens']} |"
+          for rs in (ons, offs) for i, r in enumerate(rs)),
         "",
+        f"medians of {args.repeats} runs each: throughput on {on['tok_s']:,.0f}, off {off['tok_s']:,.0f} tok/s; "
+        f"TTFT p50 on {on['ttft_p50']:.1f}, off {off['ttft_p50']:.1f} ms",
         f"throughput on/off: {on['tok_s'] / off['tok_s']:.2f}x (target >= 3x); TTFT p50 off/on: {off['ttft_p50'] / on['ttft_p50']:.2f}x (target >= 5x)",
         f"overlapped scheduling: {on['overlap']}",
-        f"during the timed runs: on: {on['during']}; off: {off['during']}",
+        f"during the timed runs: on: {RunCounters.total(r['during'] for r in ons)}; off: {RunCounters.total(r['during'] for r in offs)}",
     ]
     print("\n".join(lines))
     if args.out:
         write_result(args.out, "Prefix caching on vs off", env, "\n".join(lines))
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The median of each figure over the runs (throughput and TTFT separately)."""
+    return {**runs[0], "tok_s": percentile([r["tok_s"] for r in runs], 50), "ttft_p50": percentile([r["ttft_p50"] for r in runs], 50)}
 
 
 if __name__ == "__main__":

@@ -168,7 +168,13 @@ class RunCounters:
 
     @staticmethod
     def delta(before: dict[str, int], after: dict[str, int]) -> str:
-        return ", ".join(f"{k} {after[k] - before[k]}" for k in after)
+        return RunCounters.total([{k: after[k] - before[k] for k in after}])
+
+    @staticmethod
+    def total(deltas) -> str:
+        """Counter changes (dicts of name -> count) summed, as text."""
+        deltas = list(deltas)
+        return ", ".join(f"{k} {sum(d[k] for d in deltas)}" for k in deltas[0]) if deltas else ""
 
 
 def main() -> None:

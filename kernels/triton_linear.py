@@ -10,9 +10,10 @@ bytes, and no program waits on another (no split K, no second kernel). Two varia
 elementwise kernel before a projection into it: SiLU-and-mul before down_proj, and the
 decoder layer's residual add + RMSNorm before q|k|v and gate|up (`rms_norm_gemv`).
 
-At tens of rows cuBLAS reads the weights well enough, and what is left to save is a launch:
-`silu_mul_linear` is the MLP's gate|up projection on tensor cores with SiLU-and-mul in its
-epilogue.
+At tens of rows `silu_mul_linear` is the MLP's gate|up projection on tensor cores with
+SiLU-and-mul in its epilogue (a launch saved), and kernels.triton_splitk's `splitk_linear`
+(re-exported here, the model's one entry point) takes o_proj and down_proj, whose narrow
+outputs leave cuBLAS few tiles.
 
 Contract: `gemv(x, weight, bias)` equals `torch.nn.functional.linear(x, weight, bias)` (fp32
 accumulation, one rounding at the end) for one to GEMV_MAX_ROWS rows; the fused variants equal
@@ -39,6 +40,7 @@ from kernels.triton_common import (
     round_to,
     upcast_dot,
 )
+from kernels.triton_splitk import splitk_linear, use_splitk_linear  # noqa: F401  (the module is the model's entry point)
 
 GEMV_MAX_ROWS = 4
 GEMV_WARPS = 8

@@ -44,7 +44,7 @@ def fused_kernels(ops: KernelOps | None) -> ModuleType | None:
 
 
 def gemv_kernels(ops: KernelOps | None) -> ModuleType | None:
-    """kernels.triton_linear (projections of a few rows) or None."""
+    """kernels.triton_linear (projections of decode batches) or None."""
     return triton_module(ops, "triton_linear")
 
 
@@ -138,9 +138,13 @@ class SiluAndMul(nn.Module):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_ops: ModuleType | None) -> torch.Tensor:
-    """F.linear, or a Triton kernel for a few 16-bit rows (decode at small batch)."""
-    if gemv_ops is not None and gemv_ops.use_gemv(x, weight):
-        return gemv_ops.gemv(x, weight, bias)
+    """F.linear, or a Triton kernel for decode batches: gemv for a few 16-bit rows, split-K
+    for tens of rows into a narrower output (o_proj, down_proj)."""
+    if gemv_ops is not None:
+        if gemv_ops.use_gemv(x, weight):
+            return gemv_ops.gemv(x, weight, bias)
+        if gemv_ops.use_splitk_linear(x, weight):
+            return gemv_ops.splitk_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -1,0 +1,182 @@
+"""Projections of tens of rows into a narrow output, split along K: o_proj and down_proj at
+decode batches of 33-64 (Qwen3-0.6B: 1,024 outputs from 2,048 and 3,072 inputs).
+
+With 64-row tiles such a product has few output tiles (32 at 32 columns a tile), so a kernel
+that gives each tile all of K keeps a quarter of the H200's SMs busy and walks K in a long
+chain of dependent loads; cuBLAS takes 5.9 and 7.3 us for bytes that need 1 and 1.5. Here
+each program takes one output tile over a slice of K (a grid of tiles x SPLIT), writes its
+fp32 partial sums to a workspace and takes a ticket; the tile's last program to arrive adds
+the SPLIT partials in slice order (so the result does not depend on who arrives last),
+rounds once and stores the tile, then puts the ticket counter back to zero for the next
+launch. One launch, no memset, no second kernel.
+
+Contract: `splitk_linear(x, weight, bias)` equals `torch.nn.functional.linear(x, weight,
+bias)` up to the order of the fp32 sum (one rounding at the end), for up to 64 rows.
+Launches that share a device's ticket counters must not run concurrently (one stream, as the
+model runs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import (
+    cdiv,
+    dot_precision,
+    fix_bf16_rounding,
+    interpreting,
+    mma,
+    next_pow2,
+    pdl_launch,
+    pdl_prologue,
+    round_to,
+    upcast_dot,
+)
+
+SPLITK_ROWS = (33, 64)  # the row counts it takes (see use_splitk_linear)
+MAX_TILES = 4096  # ticket counters a device keeps: outputs up to MAX_TILES * BLOCK_N columns
+
+
+@triton.jit
+def _workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pointers to slice s's partial sums of output tile pid_n: (BLOCK_M, BLOCK_N), fp32."""
+    base = ws_ptr + (s * num_tiles + pid_n).to(tl.int64) * (BLOCK_M * BLOCK_N)
+    return base + offs_m[:, None] * BLOCK_N + offs_c[None, :]
+
+
+@triton.jit(do_not_specialize=["M"])
+def _splitk_linear_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, tickets_ptr,
+    M, stride_xm, stride_wn, stride_om,
+    N: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr, K_SLICE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FIX_BF16: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (i, s): output columns [i * BLOCK_N, (i + 1) * BLOCK_N) of every row, summed
+    over inputs [s * K_SLICE, (s + 1) * K_SLICE) on tensor cores."""
+    pdl_prologue(PDL)
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    num_tiles = tl.num_programs(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_c = tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + offs_c
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn  # W^T tiles: (BLOCK_K, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    # Whole tiles (Qwen3-0.6B's o and down) load without masks, which the pipeliner needs to
+    # keep several weight tiles in flight.
+    EVEN: tl.constexpr = (K_SLICE % BLOCK_K == 0) and (K_SLICE * SPLIT == K) and (N % BLOCK_N == 0)
+    k_begin = pid_s * K_SLICE
+    for k0 in range(0, K_SLICE, BLOCK_K):
+        k = k_begin + k0 + offs_k
+        if EVEN:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_cols + k[:, None])
+        else:
+            k_mask = (k < K) & (k0 + offs_k < K_SLICE)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(x, w, acc) if not UPCAST else acc + mma(x, w, PRECISION, UPCAST)
+    dt = out_ptr.dtype.element_ty
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, round_to(acc, dt, FIX_BF16), mask=out_mask)
+    else:
+        tl.store(_workspace_tile(ws_ptr, pid_s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N), acc)
+        tl.debug_barrier()  # every thread's partials are written before the ticket (a release) is taken
+        ticket = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:  # the last of the tile's slices: the others' partials are visible
+            tl.store(tickets_ptr + pid_n, 0)  # ready for the next launch
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in tl.static_range(SPLIT):  # in slice order, whoever arrives last
+                total += tl.load(_workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N),
+                                 cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, round_to(total, dt, FIX_BF16), mask=out_mask)
+
+
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def _ticket_counters(device: torch.device) -> torch.Tensor:
+    """The device's ticket counters (int32 zeros; every launch leaves them at zero). Made on
+    first use, which must not be inside a CUDA graph capture (the model runs every shape
+    eagerly before capturing it)."""
+    tickets = _tickets.get(device)
+    if tickets is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("splitk_linear: run once outside CUDA graph capture first (its ticket counters are made then)")
+        tickets = _tickets[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return tickets
+
+
+def splitk_config(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, SPLIT, BLOCK_K) on the GPU: 32-column tiles, K in 4 slices (Qwen3-0.6B's
+    1,024 outputs: 128 programs), 128-deep steps. Best of 40 tilings on the H200 at 64 rows,
+    weights from HBM: o_proj 5.58 us (cuBLAS 5.84), down_proj 6.22 (cuBLAS 8.00); six or
+    eight slices, or 64-column tiles, were slower."""
+    return 32, max(1, min(4, k // 256)), 128
+
+
+def splitk_linear(
+    x: torch.Tensor,  # (M, K), M <= 64
+    weight: torch.Tensor,  # (N, K)
+    bias: torch.Tensor | None = None,  # (N,)
+    split: int | None = None,  # K slices (default: splitk_config's)
+    block_n: int | None = None,
+) -> torch.Tensor:  # (M, N), dtype of x
+    """x @ W^T (+ bias) for up to 64 16-bit rows, in one launch of output tiles x K slices."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1, (x.shape, weight.shape)
+    assert m <= 64, m
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg_n, cfg_split, block_k = splitk_config(m, n, k)
+    if interpreting():  # programs run one after another there: small tiles, the same math
+        cfg_n, block_k = 16, 32
+    block_n = block_n or cfg_n
+    split = split or cfg_split
+    k_slice = cdiv(cdiv(k, split), block_k) * block_k
+    split = cdiv(k, k_slice)
+    tiles = cdiv(n, block_n)
+    assert tiles <= MAX_TILES, (n, block_n)
+    block_m = max(16, next_pow2(m))
+    workspace = torch.empty((split, tiles, block_m, block_n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    _splitk_linear_kernel[(tiles, split)](
+        x, weight, bias if bias is not None else weight, out, workspace, _ticket_counters(x.device),
+        m, x.stride(0), weight.stride(0), out.stride(0),
+        N=n, K=k, SPLIT=split, K_SLICE=k_slice, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        FIX_BF16=fix_bf16_rounding(x.dtype), PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.dtype),
+        **pdl_launch(x.device),
+        num_warps=4, num_stages=1 if interpreting() else 4,
+    )  # fmt: skip
+    return out
+
+
+def use_splitk_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Where splitk_linear replaces cuBLAS: 16-bit rows, SPLITK_ROWS of them, into an output
+    narrower than the input (o_proj, down_proj), contiguous weights."""
+    lo, hi = SPLITK_ROWS
+    n, k = weight.shape
+    return (
+        x.dim() == 2
+        and lo <= x.shape[0] <= hi
+        and n < k
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
