@@ -124,8 +124,9 @@ class KVClient:
         self._ops.append(op)
         self._expected.append(expected)
 
-    def allocate(self, seq_id: str, token_ids: list[int], num_new_tokens: int, extra_key: str | None = None) -> Allocated | NoFreeBlocks:
-        result = self.manager.allocate(seq_id, token_ids, num_new_tokens, extra_key)
+    def allocate(self, seq_id: str, token_ids: list[int], num_new_tokens: int, extra_key: str | None = None,
+                 token_bytes: bytes | None = None) -> Allocated | NoFreeBlocks:
+        result = self.manager.allocate(seq_id, token_ids, num_new_tokens, extra_key, token_bytes)
         if not isinstance(result, NoFreeBlocks):  # a refusal changes nothing: nothing to send
             # block_ids is the live table: keep a copy of what the answer must be.
             self._record(AllocateOp(seq_id, list(token_ids), num_new_tokens, extra_key),

@@ -123,14 +123,19 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, token_ids: list[int], extra_key: str | None = None) -> PrefixHit:
+    def match_prefix(self, token_ids: list[int], extra_key: str | None = None, token_bytes: bytes | None = None) -> PrefixHit:
         """Longest run of full cached device blocks that starts the prompt. At least the last
-        prompt token is always left to compute (its logits are needed)."""
+        prompt token is always left to compute (its logits are needed). token_bytes: the same
+        tokens as int64 bytes when the caller has them (the engine's check of a prompt makes
+        them), so that they are not converted again."""
         if not self.enable_prefix_caching:
             return PrefixHit(0, [])
         bs, pool = self.block_size, self.device
         num_blocks = (len(token_ids) - 1) // bs
-        data = array("q", token_ids[: num_blocks * bs]).tobytes()
+        if token_bytes is None:
+            data = array("q", token_ids[: num_blocks * bs]).tobytes()
+        else:
+            data = token_bytes[: num_blocks * bs * 8]
         hashes = self._recent_hashes(data, extra_key)
         known, width = len(hashes), 8 * bs
         rest = _chain_bytes(data[known * width :], width, hashes[-1] if hashes else None, extra_key)
@@ -172,11 +177,12 @@ class KVCacheManager:
         return hashes[:lo]
 
     # ----------------------------------------------------------------- operations
-    def allocate(self, seq_id: str, token_ids: list[int], num_new_tokens: int, extra_key: str | None = None) -> Allocated | NoFreeBlocks:
+    def allocate(self, seq_id: str, token_ids: list[int], num_new_tokens: int, extra_key: str | None = None,
+                 token_bytes: bytes | None = None) -> Allocated | NoFreeBlocks:
         """New sequence: take its longest cached prefix, then blocks for `num_new_tokens`
-        more tokens (clamped to the rest of the prompt)."""
+        more tokens (clamped to the rest of the prompt). token_bytes: see match_prefix."""
         assert seq_id not in self.seqs, f"sequence {seq_id} already has blocks"
-        hit = self.match_prefix(token_ids, extra_key)
+        hit = self.match_prefix(token_ids, extra_key, token_bytes)
         num_new_tokens = max(1, min(num_new_tokens, len(token_ids) - hit.num_tokens))
         num_needed = self.num_blocks_for(hit.num_tokens + num_new_tokens) - len(hit.block_ids)
         # Hit blocks that sit in the LRU stop being evictable once we take them.

@@ -10,9 +10,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import numpy as np
 
 from kvcache_svc import KVCacheManager
 from model_svc.step import StepInput, StepOutput
@@ -105,33 +108,39 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self._prompt_tokens(prompt)[0]
+
+    def _prompt_tokens(self, prompt: str | list[int]) -> tuple[list[int], bytes | None]:
+        """The prompt's token ids, checked, and for given ids the same as int64 bytes (the
+        check makes them; the prefix-cache lookup hashes them)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompt token ids")
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return list(self.tokenizer.encode(prompt))
+            return list(self.tokenizer.encode(prompt)), None
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
+        packed = _int64_bytes(ids, vocab)
+        if packed is None:
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
             raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[:5]}")
-        return ids
+        return ids, packed
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None, cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        token_ids = self.tokenize(prompt)
+        token_ids, token_bytes = self._prompt_tokens(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {self.max_model_len - 1} (max_model_len {self.max_model_len})")
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < vocab size {vocab}")
-        req = Request(request_id, token_ids, params, self.eos_token_ids, cache_salt)
+        req = Request(request_id, token_ids, params, self.eos_token_ids, cache_salt, prompt_bytes=token_bytes)
         self.scheduler.add(req)
         self.requests[request_id] = req
         detok = self._detokenizer(params.skip_special_tokens)
@@ -305,6 +314,23 @@ class LLMEngine:
         if detok is None:
             detok = self._detokenizers[skip_special_tokens] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
         return detok
+
+
+def _int64_bytes(ids: list[int], vocab: int) -> bytes | None:
+    """ids as int64 bytes when every one is an int in [0, vocab), else None: the check of
+    a Python loop, in C loops (isinstance by map, the array conversion, numpy's min and max),
+    whose int64 bytes the prefix-cache lookup would otherwise make again (64 prompts of
+    1,056 tokens that arrive together: about 1 ms of their first step)."""
+    if not all(map(isinstance, ids, itertools.repeat(int))):
+        return None
+    try:
+        packed = array("q", ids)
+    except OverflowError:
+        return None
+    values = np.frombuffer(packed, dtype=np.int64)
+    if values.min() < 0 or values.max() >= vocab:
+        return None
+    return packed.tobytes()
 
 
 def _finished(launched: Any) -> bool:

@@ -37,6 +37,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     first_token_time: float | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # The prompt as int64 bytes, made by add_request's check of given ids, for the prefix-cache
+    # lookup of its first admission (None: the lookup converts the tokens itself).
+    prompt_bytes: bytes | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

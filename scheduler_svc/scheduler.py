@@ -267,10 +267,12 @@ class Scheduler:
                 break
             if not self.config.enable_chunked_prefill and req.num_tokens > budget:
                 break
-            result = self.kv.allocate(req.request_id, req.token_ids, budget, req.cache_salt)
+            token_bytes = req.prompt_bytes if req.num_tokens == req.num_prompt_tokens else None
+            result = self.kv.allocate(req.request_id, req.token_ids, budget, req.cache_salt, token_bytes)
             if isinstance(result, NoFreeBlocks):
                 break  # first come, first served: later requests wait too
             self.waiting.popleft()
+            req.prompt_bytes = None  # not kept longer: a re-admission (recompute preemption) converts the tokens
             req.num_computed_tokens = result.num_cached_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = result.num_cached_tokens
