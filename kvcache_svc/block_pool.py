@@ -10,8 +10,12 @@ Every block is exactly one of
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+
+# Values of BlockPool.hash_epoch, drawn from one counter: two pools' epochs never coincide.
+_hash_epochs = itertools.count()
 
 
 class Tier(enum.IntEnum):
@@ -37,6 +41,7 @@ class BlockPool:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached-unreferenced, oldest first
         self.hash_to_block: dict[int, int] = {}
+        self.hash_epoch = next(_hash_epochs)  # a new value whenever a hash leaves the index
         self.num_evictions = 0
 
     # ----------------------------------------------------------------- queries
@@ -55,10 +60,14 @@ class BlockPool:
             return None
         return block_id
 
-    def num_still_held(self, hashes: list[int], verified: list[tuple[int, tuple[int, ...]]]) -> int:
+    def num_still_held(self, hashes: list[int], verified: list[tuple[int, tuple[int, ...]]], epoch: int) -> int:
         """How many leading (block id, token tuple) pairs of `verified` (an earlier lookup's
         hits) are still the cached blocks of `hashes`, with the very token tuples that lookup
-        compared (identity, not a compare)."""
+        compared (identity, not a compare). epoch: hash_epoch when they were last known to
+        hold; if no hash has left the index since, they all do (a burst of requests with one
+        system prompt then walks none of its blocks)."""
+        if epoch == self.hash_epoch:
+            return len(verified)
         hash_to_block, blocks = self.hash_to_block, self.blocks
         for i, (block_hash, (block_id, token_ids)) in enumerate(zip(hashes, verified)):
             if hash_to_block.get(block_hash) != block_id or blocks[block_id].token_ids is not token_ids:
@@ -135,6 +144,7 @@ class BlockPool:
         if block.block_hash is not None:
             del self.hash_to_block[block.block_hash]
             block.block_hash, block.token_ids = None, None
+            self.hash_epoch = next(_hash_epochs)
 
     # ----------------------------------------------------------------- checks
     def check(self, referenced: dict[int, int]) -> None:

@@ -101,6 +101,7 @@ class KVCacheManager:
         # match_prefix's last prompt: (its hashed blocks as int64 bytes, their chain hashes, extra key)
         self._recent: tuple[bytes, list[int], str | None] | None = None
         self._recent_hits: list[tuple[int, tuple[int, ...]]] = []  # its hit blocks: (id, the token tuple verified)
+        self._recent_epoch = -1  # the device pool's hash_epoch when those were last known to hold
 
     # ----------------------------------------------------------------- queries
     @property
@@ -141,7 +142,7 @@ class KVCacheManager:
         rest = _chain_bytes(data[known * width :], width, hashes[-1] if hashes else None, extra_key)
         # The last prompt's hits, for the blocks this one shares with it: a block that still
         # holds the very token tuple it was verified against needs no new tuple and compare.
-        hits = self._recent_hits[: pool.num_still_held(hashes, self._recent_hits[: min(known, num_blocks)])]
+        hits = self._recent_hits[: pool.num_still_held(hashes, self._recent_hits[: min(known, num_blocks)], self._recent_epoch)]
         block_ids = [block_id for block_id, _ in hits]
         for i in range(len(hits), num_blocks):
             if i >= known:  # hashed on demand: a miss early in the prompt hashes no further
@@ -152,7 +153,7 @@ class KVCacheManager:
             block_ids.append(block_id)
             hits.append((block_id, pool.blocks[block_id].token_ids))
         self._recent = (data[: len(hashes) * width], hashes, extra_key)
-        self._recent_hits = hits
+        self._recent_hits, self._recent_epoch = hits, pool.hash_epoch
         return PrefixHit(len(block_ids) * bs, block_ids)
 
     def _recent_hashes(self, data: bytes, extra_key: str | None) -> list[int]:
