@@ -6,6 +6,7 @@ tokens fed so far (for penalties) and the sampling state; each step brings the d
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -374,17 +375,18 @@ class ModelRunner:
         packed = np.empty(3 * num_tokens + 3 * num_seqs + 2, dtype=np.int64)
         ids, pos, slots = packed[:num_tokens], packed[num_tokens : 2 * num_tokens], packed[2 * num_tokens : 3 * num_tokens]
         seq_lens, cu = packed[3 * num_tokens : 3 * num_tokens + num_seqs], packed[3 * num_tokens + num_seqs : 3 * num_tokens + 2 * num_seqs + 1]
+        cu[0] = 0
+        np.cumsum(lens, out=cu[1:])
         if num_tokens == num_seqs:  # decode: one token each
             ids[:] = [s.token_ids[0] for s in seqs]
             pos[:] = [s.start_pos for s in seqs]
             seq_index = np.arange(num_seqs)
-        else:
-            ids[:] = [t for s in seqs for t in s.token_ids]
-            pos[:] = np.concatenate([np.arange(s.start_pos, s.start_pos + n) for s, n in zip(seqs, lens)])
+        else:  # no Python loop per token, nor an arange per sequence (a burst of 64 prompts: 2,048 tokens)
+            ids[:] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64, num_tokens)
             seq_index = np.repeat(np.arange(num_seqs), lens)
+            starts = np.array([s.start_pos for s in seqs], dtype=np.int64)
+            pos[:] = np.arange(num_tokens) + (starts - cu[:-1])[seq_index]
         seq_lens[:] = [s.start_pos + n for s, n in zip(seqs, lens)]
-        cu[0] = 0
-        np.cumsum(lens, out=cu[1:])
         sample_rows = [(int(cu[b + 1]) - 1, s) for b, s in enumerate(seqs) if s.sample]
         packed[3 * num_tokens + 2 * num_seqs + 1 : -1] = rows
         bs = self.block_size
