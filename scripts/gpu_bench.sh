@@ -34,12 +34,12 @@ if has b; then
   run throughput-sync 150 python bench/throughput.py --no-overlap --repeats 3 --out "$out/throughput_h200_sync.md"
   run throughput-service 240 python bench/throughput.py --check --mode service --out "$out/throughput_h200_service.md"
   run latency 90 python bench/latency.py --out "$out/latency_h200.md"
-  run prefix 80 python bench/prefix.py --out "$out/prefix_h200.md"
+  run prefix 120 python bench/prefix.py --out "$out/prefix_h200.md"
 fi
 if has c; then
   run kernels 150 python bench/kernels.py --flex-budget-s 30 --out "$out/kernels_h200.md"
   run linear 60 python bench/linear.py --out "$out/linear_h200.md"
-  run prefix-sync 80 python bench/prefix.py --no-overlap --out "$out/prefix_h200_sync.md"
+  run prefix-sync 120 python bench/prefix.py --no-overlap --out "$out/prefix_h200_sync.md"
   run swap 120 python bench/swap.py --out "$out/swap_h200.md"
   run throughput-service-pipelined 200 python bench/throughput.py --mode service --service-pipelined --out "$out/throughput_h200_service_pipelined.md"
 fi
@@ -70,7 +70,7 @@ fi
 if has g; then  # the rest of a session's figures: batch-1 latency, swap, prefix caching
   run latency 70 python bench/latency.py --out "$out/latency_h200.md"
   run swap 90 python bench/swap.py --out "$out/swap_h200.md"
-  run prefix 60 python bench/prefix.py --out "$out/prefix_h200.md"
+  run prefix 120 python bench/prefix.py --out "$out/prefix_h200.md"
 fi
 if has d; then
   run throughput-hf-peer 500 python bench/throughput.py --peer hf --out "$out/throughput_h200_hf_peer.md"
