@@ -85,7 +85,9 @@ def use_pdl(device: torch.device) -> bool:
     kernels faster (batch-1 decode 0.942 -> 0.883 ms a token; the prefix workload's cached
     run ~31,800 -> 32,517 and 34,247 tok/s) but the steps of large ones slower (the same
     workload's uncached run 11,622 -> 11,283 and 11,247 tok/s; the headline 24,300 -> 23,863,
-    one run), for reasons not yet measured."""
+    one run), for reasons not yet measured. With the split-K projections (medians of five
+    runs each, one call) the cached run lost its gain (33,531 against 34,367 tok/s) and the
+    uncached one still lost 3 % (11,359 against 11,732)."""
     if device.type != "cuda" or interpreting() or os.environ.get(PDL_ENV, "0") != "1":
         return False
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
