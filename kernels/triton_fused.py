@@ -112,20 +112,23 @@ def _store_as(ptr, x, dt: tl.constexpr, mask, FIX_BF16: tl.constexpr, FIX_DST: t
 
 
 @triton.jit
-def _norm_rope_head(
+def _norm_rope_heads(
     src, dst, w_ptr, cos, sin, offs, mask, eps,
     HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr, FIX_DST: tl.constexpr,
 ):  # fmt: skip
-    """One head: load its two halves (src has unit stride along D), optionally RMSNorm them over
-    the whole head, rotate, and store to dst (unit stride along D). cos/sin are fp32
-    (BLOCK_HALF,). The math rounds in src's dtype; dst may be of another dtype (a cache's)."""
+    """Heads of one token, a row each: src and dst are (heads, 1) pointers to each head's first
+    element (unit stride along D), offs (1, BLOCK_HALF), mask (heads, BLOCK_HALF). Load each
+    head's two halves, optionally RMSNorm them over the whole head, rotate, and store. cos/sin
+    are fp32 (1, BLOCK_HALF). The math rounds in src's dtype; dst may be of another dtype (a
+    cache's)."""
     dt = src.dtype.element_ty
     x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w_mask = offs < HALF
+        w1 = tl.load(w_ptr + offs, mask=w_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs, mask=w_mask, other=0.0).to(tl.float32)
         # torch: weight * xf.to(x.dtype), each product rounded to the activation dtype
         x1 = _rounded(w1 * _rounded(x1 * rstd, dt, FIX_BF16), dt, FIX_BF16)
         x2 = _rounded(w2 * _rounded(x2 * rstd, dt, FIX_BF16), dt, FIX_BF16)
@@ -151,22 +154,26 @@ def _qk_norm_rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_cs,
     num_q_heads, num_kv_heads, eps,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HEADS: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr,
 ):  # fmt: skip
+    """Programs (token, group of HEADS heads) over the Hq + Hkv heads, laid out as
+    _qk_norm_rope_store_kernel's, so that the two round alike to the bit."""
     tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_HALF)
-    mask = offs < HALF
-    cos, sin = _load_cos_sin(cos_sin_ptr, pos_ptr, tok, stride_cs, offs, mask, HALF)
-    if head < num_q_heads:
+    first = tl.program_id(1) * HEADS
+    rows = tl.arange(0, HEADS)[:, None]  # (HEADS, 1): a head each
+    offs = tl.arange(0, BLOCK_HALF)[None, :]  # (1, BLOCK_HALF)
+    mask = (offs < HALF) & (rows >= 0)
+    cos, sin = _load_cos_sin(cos_sin_ptr, pos_ptr, tok, stride_cs, offs, offs < HALF, HALF)
+    if first < num_q_heads:
+        head = first + rows
         src = q_ptr + tok * stride_qn + head * stride_qh
         dst = q_out_ptr + (tok * num_q_heads + head) * (2 * HALF)
-        _norm_rope_head(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
+        _norm_rope_heads(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
     else:
-        kv_head = head - num_q_heads
+        kv_head = first - num_q_heads + rows
         src = k_ptr + tok * stride_kn + kv_head * stride_kh
         dst = k_out_ptr + (tok * num_kv_heads + kv_head) * (2 * HALF)
-        _norm_rope_head(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
+        _norm_rope_heads(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, q_norm_weight, k_norm_weight) -> bool:
@@ -199,14 +206,15 @@ def qk_norm_rope(
     if n == 0:
         return q_out, k_out
     half = head_dim // 2
-    _qk_norm_rope_kernel[(n, num_q_heads + num_kv_heads)](
+    heads = heads_per_program(num_q_heads, num_kv_heads)
+    _qk_norm_rope_kernel[(n, (num_q_heads + num_kv_heads) // heads)](
         q, k, q_out, k_out,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
         cos_sin_cache, positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         num_q_heads, num_kv_heads, eps,
-        HALF=half, BLOCK_HALF=next_pow2(half), HAS_NORM=has_norm, FIX_BF16=fix_bf16_rounding(q.dtype),
-        num_warps=1,
+        HALF=half, BLOCK_HALF=next_pow2(half), HEADS=heads, HAS_NORM=has_norm, FIX_BF16=fix_bf16_rounding(q.dtype),
+        num_warps=max(1, heads // 2),
     )  # fmt: skip
     return q_out, k_out
 
@@ -220,33 +228,36 @@ def _qk_norm_rope_store_kernel(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_cs,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     num_q_heads, num_kv_heads, eps,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PAGE: tl.constexpr, HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HEADS: tl.constexpr, PAGE: tl.constexpr, HAS_NORM: tl.constexpr,
     FIX_BF16: tl.constexpr, FIX_K_CACHE: tl.constexpr, FIX_V_CACHE: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """Programs (token, head) over Hq + 2 Hkv heads: q heads -> q_out, then k heads -> k_cache,
-    then v heads -> v_cache (a copy); a k or v head of a token with slot < 0 writes nothing."""
+    """Programs (token, group of HEADS heads) over the Hq + 2 Hkv heads (HEADS divides Hq and
+    Hkv, so a group is all q, all k or all v heads): q heads -> q_out, k heads -> k_cache, v
+    heads -> v_cache (a copy); the k and v heads of a token with slot < 0 write nothing."""
     pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_HALF)
-    mask = offs < HALF
-    if head < num_q_heads:
-        cos, sin = _load_cos_sin(cos_sin_ptr, pos_ptr, tok, stride_cs, offs, mask, HALF)
+    first = tl.program_id(1) * HEADS
+    rows = tl.arange(0, HEADS)[:, None]  # (HEADS, 1): a head each
+    offs = tl.arange(0, BLOCK_HALF)[None, :]  # (1, BLOCK_HALF)
+    mask = (offs < HALF) & (rows >= 0)  # (HEADS, BLOCK_HALF)
+    if first < num_q_heads:
+        cos, sin = _load_cos_sin(cos_sin_ptr, pos_ptr, tok, stride_cs, offs, offs < HALF, HALF)
+        head = first + rows
         src = q_ptr + tok * stride_qn + head * stride_qh
         dst = q_out_ptr + (tok * num_q_heads + head) * (2 * HALF)
-        _norm_rope_head(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
+        _norm_rope_heads(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
     else:
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         if slot >= 0:
             block = slot // PAGE
             offset = slot % PAGE
-            kv_head = head - num_q_heads
-            if kv_head < num_kv_heads:
-                cos, sin = _load_cos_sin(cos_sin_ptr, pos_ptr, tok, stride_cs, offs, mask, HALF)
+            kv_head = first - num_q_heads + rows
+            if first < num_q_heads + num_kv_heads:
+                cos, sin = _load_cos_sin(cos_sin_ptr, pos_ptr, tok, stride_cs, offs, offs < HALF, HALF)
                 src = k_ptr + tok * stride_kn + kv_head * stride_kh
                 dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
-                _norm_rope_head(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, FIX_K_CACHE)
+                _norm_rope_heads(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, FIX_K_CACHE)
             else:
                 kv_head -= num_kv_heads
                 src = v_ptr + tok * stride_vn + kv_head * stride_vh
@@ -256,6 +267,16 @@ def _qk_norm_rope_store_kernel(
                     if FIX_V_CACHE:
                         x = round_to(x.to(tl.float32), dst.dtype.element_ty, True)
                     tl.store(dst + i * HALF + offs, x.to(dst.dtype.element_ty), mask=mask)
+
+
+def heads_per_program(num_q_heads: int, num_kv_heads: int) -> int:
+    """Heads a qk_norm_rope_store program takes: the largest power of two up to 8 dividing
+    both head counts. One program per (token, head) made 65,536 one-warp programs for a
+    2,048-token prefill of Qwen3-0.6B, 42 us a layer on the H200."""
+    heads = 8
+    while num_q_heads % heads or num_kv_heads % heads:
+        heads //= 2
+    return heads
 
 
 def _cast_needs_fix(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -278,8 +299,8 @@ def qk_norm_rope_store(
     out: torch.Tensor | None = None,  # (N, Hq, D) contiguous, q's dtype: where q goes (allocated when None)
 ) -> torch.Tensor:  # new contiguous q (N, Hq, D)
     """qk_norm_rope, with the rotated k and a copy of v written into the caches at the slots (in
-    place; as store_kvcache) instead of returned: one launch, one program per (token, head) over
-    the Hq + 2 Hkv heads."""
+    place; as store_kvcache) instead of returned: one launch, one program per token and group
+    of heads (heads_per_program) over the Hq + 2 Hkv heads."""
     has_norm = _check_qk(q, k, cos_sin_cache, q_norm_weight, k_norm_weight)
     n, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -296,7 +317,8 @@ def qk_norm_rope_store(
     if n == 0:
         return q_out
     half = head_dim // 2
-    _qk_norm_rope_store_kernel[(n, num_q_heads + 2 * num_kv_heads)](
+    heads = heads_per_program(num_q_heads, num_kv_heads)
+    _qk_norm_rope_store_kernel[(n, (num_q_heads + 2 * num_kv_heads) // heads)](
         q, k, v, q_out, k_cache, v_cache,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
         cos_sin_cache, positions, slot_mapping,
@@ -304,11 +326,11 @@ def qk_norm_rope_store(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_q_heads, num_kv_heads, eps,
-        HALF=half, BLOCK_HALF=next_pow2(half), PAGE=k_cache.shape[1], HAS_NORM=has_norm,
+        HALF=half, BLOCK_HALF=next_pow2(half), HEADS=heads, PAGE=k_cache.shape[1], HAS_NORM=has_norm,
         FIX_BF16=fix_bf16_rounding(q.dtype),
         FIX_K_CACHE=_cast_needs_fix(k.dtype, k_cache.dtype), FIX_V_CACHE=_cast_needs_fix(v.dtype, v_cache.dtype),
         **pdl_launch(q.device),
-        num_warps=1,
+        num_warps=max(1, heads // 2),
     )  # fmt: skip
     return q_out
 

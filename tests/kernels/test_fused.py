@@ -14,7 +14,7 @@ import torch
 
 from kernels import REFERENCE_OPS, select_ops
 from kernels.reference import qk_norm_rope_ref, qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref
-from kernels.triton_fused import qk_norm_rope, qk_norm_rope_store, rms_norm, silu_and_mul
+from kernels.triton_fused import heads_per_program, qk_norm_rope, qk_norm_rope_store, rms_norm, silu_and_mul
 from kernels.triton_store import store_kvcache
 from model_svc.config import RopeScaling
 from model_svc.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
@@ -141,7 +141,7 @@ def _written_rows(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm-rope"])
-@pytest.mark.parametrize("head_dim,heads", [(8, (2, 2)), (64, (4, 2)), (8, (4, 2)), (64, (2, 2)), (80, (2, 1))])
+@pytest.mark.parametrize("head_dim,heads", [(8, (2, 2)), (64, (4, 2)), (8, (4, 2)), (64, (2, 2)), (80, (2, 1)), (16, (16, 8))])
 @pytest.mark.parametrize("padded", [False, True], ids=["dense-cache", "strided-cache"])
 def test_qk_norm_rope_store(device, dtype, qk_norm, head_dim, heads, padded):
     torch.manual_seed(head_dim + heads[0])
@@ -182,6 +182,13 @@ def test_qk_norm_rope_store(device, dtype, qk_norm, head_dim, heads, padded):
     assert torch.equal(got, q_unfused)
     for got_cache, unfused_cache in zip(caches["got"], caches["unfused"]):
         assert torch.equal(got_cache.nan_to_num(7.0), unfused_cache.nan_to_num(7.0))
+
+
+def test_heads_per_program():
+    """Groups of heads that never mix q, k and v heads (Qwen3-0.6B: 16 + 8 + 8 in four groups)."""
+    assert heads_per_program(16, 8) == 8 and heads_per_program(32, 8) == 8 and heads_per_program(64, 64) == 8
+    assert heads_per_program(4, 2) == 2 and heads_per_program(12, 4) == 4 and heads_per_program(14, 2) == 2
+    assert heads_per_program(2, 1) == 1 and heads_per_program(9, 3) == 1
 
 
 def test_qk_norm_rope_store_casts_to_cache_dtype(device):
