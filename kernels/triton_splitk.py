@@ -3,17 +3,18 @@ decode batches of 33-64 (Qwen3-0.6B: 1,024 outputs from 2,048 and 3,072 inputs).
 
 With 64-row tiles such a product has few output tiles (32 at 32 columns a tile), so a kernel
 that gives each tile all of K keeps a quarter of the H200's SMs busy and walks K in a long
-chain of dependent loads; cuBLAS takes 5.9 and 7.3 us for bytes that need 1 and 1.5. Here
+chain of dependent loads; cuBLAS takes 5.8 and 8.0 us for bytes that need 1 and 1.5. Here
 each program takes one output tile over a slice of K (a grid of tiles x SPLIT), writes its
 fp32 partial sums to a workspace and takes a ticket; the tile's last program to arrive adds
 the SPLIT partials in slice order (so the result does not depend on who arrives last),
 rounds once and stores the tile, then puts the ticket counter back to zero for the next
-launch. One launch, no memset, no second kernel.
+launch. One launch, no memset, no second kernel. The tickets are the decode kernel's arrival
+counters (kernels.triton_decode.arrival_counters): every launch of either leaves them at zero.
 
 Contract: `splitk_linear(x, weight, bias)` equals `torch.nn.functional.linear(x, weight,
 bias)` up to the order of the fp32 sum (one rounding at the end), for up to 64 rows.
-Launches that share a device's ticket counters must not run concurrently (one stream, as the
-model runs).
+Launches that share a device's counters must not run concurrently (one stream, as the model
+runs).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from kernels.triton_common import (
     round_to,
     upcast_dot,
 )
+from kernels.triton_decode import arrival_counters
 
 SPLITK_ROWS = (33, 64)  # the row counts it takes (see use_splitk_linear)
-MAX_TILES = 4096  # ticket counters a device keeps: outputs up to MAX_TILES * BLOCK_N columns
 
 
 @triton.jit
@@ -105,21 +106,6 @@ def _splitk_linear_kernel(
             tl.store(out_ptrs, round_to(total, dt, FIX_BF16), mask=out_mask)
 
 
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def _ticket_counters(device: torch.device) -> torch.Tensor:
-    """The device's ticket counters (int32 zeros; every launch leaves them at zero). Made on
-    first use, which must not be inside a CUDA graph capture (the model runs every shape
-    eagerly before capturing it)."""
-    tickets = _tickets.get(device)
-    if tickets is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("splitk_linear: run once outside CUDA graph capture first (its ticket counters are made then)")
-        tickets = _tickets[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return tickets
-
-
 def splitk_config(m: int, n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, SPLIT, BLOCK_K) on the GPU: 32-column tiles, K in 4 slices (Qwen3-0.6B's
     1,024 outputs: 128 programs), 128-deep steps. Best of 40 tilings on the H200 at 64 rows,
@@ -151,11 +137,10 @@ def splitk_linear(
     k_slice = cdiv(cdiv(k, split), block_k) * block_k
     split = cdiv(k, k_slice)
     tiles = cdiv(n, block_n)
-    assert tiles <= MAX_TILES, (n, block_n)
     block_m = max(16, next_pow2(m))
     workspace = torch.empty((split, tiles, block_m, block_n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     _splitk_linear_kernel[(tiles, split)](
-        x, weight, bias if bias is not None else weight, out, workspace, _ticket_counters(x.device),
+        x, weight, bias if bias is not None else weight, out, workspace, arrival_counters(x.device, tiles),
         m, x.stride(0), weight.stride(0), out.stride(0),
         N=n, K=k, SPLIT=split, K_SLICE=k_slice, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
