@@ -47,6 +47,16 @@ def _workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M: tl.con
     return base + offs_m[:, None] * BLOCK_N + offs_c[None, :]
 
 
+@triton.jit
+def _store_tile(total, b_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS: tl.constexpr,
+                FIX_BF16: tl.constexpr):
+    """An output tile's fp32 sums (+ bias), rounded once, stored."""
+    if HAS_BIAS:
+        total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = round_to(total, out_ptr.dtype.element_ty, FIX_BF16)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _splitk_linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, tickets_ptr,
@@ -84,13 +94,8 @@ def _splitk_linear_kernel(
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(x, w, acc) if not UPCAST else acc + mma(x, w, PRECISION, UPCAST)
-    dt = out_ptr.dtype.element_ty
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, round_to(acc, dt, FIX_BF16), mask=out_mask)
+        _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS, FIX_BF16)
     else:
         tl.store(_workspace_tile(ws_ptr, pid_s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N), acc)
         tl.debug_barrier()  # every thread's partials are written before the ticket (a release) is taken
@@ -101,9 +106,7 @@ def _splitk_linear_kernel(
             for s in tl.static_range(SPLIT):  # in slice order, whoever arrives last
                 total += tl.load(_workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N),
                                  cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptrs, round_to(total, dt, FIX_BF16), mask=out_mask)
+            _store_tile(total, b_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS, FIX_BF16)
 
 
 def splitk_config(m: int, n: int, k: int) -> tuple[int, int, int]:
