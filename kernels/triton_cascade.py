@@ -58,6 +58,7 @@ from kernels.triton_common import (
     num_sms,
     pdl_launch,
     pdl_prologue,
+    round_to,
     split_p,
     upcast_dot,
 )
@@ -71,6 +72,7 @@ from kernels.triton_decode import (
     default_decode_config,
     pick_num_splits,
 )
+from kernels.triton_fused import norm_rope_halves, store_as
 from kernels.triton_prefill import PrefillConfig
 
 
@@ -78,6 +80,23 @@ from kernels.triton_prefill import PrefillConfig
 class CascadeConfig:
     prefix: PrefillConfig  # block_m: (sequence, query head) rows per tile; block_n: prefix tokens per step
     suffix: DecodeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class StepKV:
+    """What kernels.triton_fused.qk_norm_rope_store takes besides q and the caches: this step's
+    k and v (views into the qkv projection's output), the rotary positions and cache, the
+    per-head norm weights (None without) and the slots. Given to cascade_with_config, the
+    prefix kernel's launch also does that kernel's work (cascade_decode_attention_store)."""
+
+    k: torch.Tensor  # (B, Hkv, D), unit stride along D
+    v: torch.Tensor  # (B, Hkv, D), likewise
+    positions: torch.Tensor  # (B,) int
+    cos_sin_cache: torch.Tensor  # (P, D)
+    q_norm_weight: torch.Tensor | None
+    k_norm_weight: torch.Tensor | None
+    eps: float
+    slot_mapping: torch.Tensor  # (B,) int64; -1 = skip
 
 
 def default_cascade_config(dtype: torch.dtype, head_dim: int) -> CascadeConfig:
@@ -135,7 +154,83 @@ def _split_len(n, num_splits, ALIGN: tl.constexpr, MIN: tl.constexpr):
     return tl.maximum(tl.cdiv(tl.cdiv(n, num_splits), ALIGN) * ALIGN, MIN)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_chunks", "num_parts"])  # they change with the batch
+@triton.jit
+def _load_cos_sin_rows(cos_sin_ptr, pos_ptr, seq, row_mask, mask, stride_cs, offs_h, HALF: tl.constexpr):
+    """fp32 cos, sin (rows, HALF) at the positions of the rows' sequences (mask: row_mask
+    broadcast to (rows, HALF))."""
+    pos = tl.load(pos_ptr + seq, mask=row_mask, other=0).to(tl.int64)[:, None]
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_h, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_h, mask=mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _normed_query(
+    q_ptr, q_out_ptr, q_w_ptr, cos_sin_ptr, pos_ptr, seq, q_head, row_mask, write, eps,
+    stride_qb, stride_qh, stride_cs, num_q_heads,
+    BLOCK_M: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr,
+):  # fmt: skip
+    """The (BLOCK_M, 2 * HALF) query rows (sequence seq, head q_head) from the projection's
+    output: the per-head norm and rotary of kernels.triton_fused, to the same bits; with
+    `write`, also stored to q_out (contiguous (B, Hq, D)) for the suffix kernel."""
+    offs_h = tl.arange(0, HALF)[None, :]
+    mask = row_mask[:, None] & (offs_h < HALF)
+    cos, sin = _load_cos_sin_rows(cos_sin_ptr, pos_ptr, seq, row_mask, mask, stride_cs, offs_h, HALF)
+    src = q_ptr + (seq * stride_qb + q_head * stride_qh)[:, None]
+    dt = q_ptr.dtype.element_ty
+    x1 = tl.load(src + offs_h, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs_h, mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = norm_rope_halves(x1, x2, q_w_ptr, cos, sin, offs_h, eps, dt, HALF, HAS_NORM, FIX_BF16)
+    o1, o2 = round_to(o1, dt, FIX_BF16), round_to(o2, dt, FIX_BF16)  # as qk_norm_rope_store stores them
+    if write:
+        dst = q_out_ptr + ((seq * num_q_heads + q_head) * (2 * HALF))[:, None]
+        tl.store(dst + offs_h, o1, mask=mask)
+        tl.store(dst + HALF + offs_h, o2, mask=mask)
+    return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_M, 2 * HALF))  # [o1 | o2] along the head dim
+
+
+@triton.jit
+def _store_new_kv(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+    row_tile, kv_head, num_seqs, eps,
+    stride_kn, stride_kh_in, stride_vn, stride_vh_in, stride_cs,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, HAS_NORM: tl.constexpr,
+    FIX_BF16: tl.constexpr, FIX_K_CACHE: tl.constexpr, FIX_V_CACHE: tl.constexpr,
+):  # fmt: skip
+    """This step's K (normed, rotated) and V (a copy) of KV head kv_head into the caches, for
+    the sequences with a row in this row tile (a sequence whose rows straddle two tiles is
+    written by both, the same bits); a slot < 0 writes nothing. As
+    kernels.triton_fused.qk_norm_rope_store does for these heads."""
+    seqs = (row_tile * BLOCK_M) // GROUP + tl.arange(0, BLOCK_M)
+    in_tile = (seqs < num_seqs) & (seqs * GROUP < (row_tile + 1) * BLOCK_M)
+    slot = tl.load(slot_ptr + seqs, mask=in_tile, other=-1).to(tl.int64)
+    offs_h = tl.arange(0, HALF)[None, :]
+    writes = in_tile & (slot >= 0)
+    mask = writes[:, None] & (offs_h < HALF)
+    seqs = seqs.to(tl.int64)
+    head = kv_head.to(tl.int64)
+    cos, sin = _load_cos_sin_rows(cos_sin_ptr, pos_ptr, seqs, writes, mask, stride_cs, offs_h, HALF)
+    src = k_ptr + (seqs * stride_kn + head * stride_kh_in)[:, None]
+    x1 = tl.load(src + offs_h, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs_h, mask=mask, other=0.0).to(tl.float32)
+    dt = k_ptr.dtype.element_ty
+    o1, o2 = norm_rope_halves(x1, x2, k_w_ptr, cos, sin, offs_h, eps, dt, HALF, HAS_NORM, FIX_BF16)
+    block, offset = slot // PAGE, slot % PAGE
+    dst = k_cache_ptr + (block * stride_kb + offset * stride_ks + head * stride_kh)[:, None]
+    store_as(dst + offs_h, o1, dt, mask, FIX_BF16, FIX_K_CACHE)
+    store_as(dst + HALF + offs_h, o2, dt, mask, FIX_BF16, FIX_K_CACHE)
+    src = v_ptr + (seqs * stride_vn + head * stride_vh_in)[:, None]
+    dst = v_cache_ptr + (block * stride_vb + offset * stride_vs + head * stride_vh)[:, None]
+    for i in tl.static_range(2):
+        x = tl.load(src + i * HALF + offs_h, mask=mask, other=0.0)
+        if FIX_V_CACHE:
+            x = round_to(x.to(tl.float32), dst.dtype.element_ty, True)
+        tl.store(dst + i * HALF + offs_h, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_chunks", "num_parts", "num_seqs"],  # they change with the batch
+            do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # slices of packed tensors
 def _prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, prefix_blocks_ptr,
     part_out_ptr, part_lse_ptr,
@@ -143,9 +238,14 @@ def _prefix_kernel(
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
+    # FUSED only: this step's projections in (q_ptr is then the raw q), the norm + rotary inputs
+    k_ptr, v_ptr, q_out_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+    stride_kn, stride_kh_in, stride_vn, stride_vh_in, stride_cs, num_seqs, eps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
+    FUSED: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr,
+    FIX_K_CACHE: tl.constexpr, FIX_V_CACHE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -160,18 +260,33 @@ def _prefix_kernel(
     chunk = _split_len(prefix_len, num_chunks, BLOCK_N, MIN_CHUNK)
     start = chunk_id * chunk
     end = tl.minimum(start + chunk, prefix_len)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = row_tile * BLOCK_M + offs_m
+    row_mask = rows < num_rows
+    seq = (rows // GROUP).to(tl.int64)
+    q_head = kv_head * GROUP + rows % GROUP
+    if FUSED:
+        # This launch also does the q/k norm + rotary + K/V store of the step, spread over the
+        # chunks: chunk 0 of a (row tile, KV head) writes its q rows for the suffix kernel,
+        # chunk 1 (0 when there is one) its sequences' new K and V. Every chunk norms its own
+        # q rows (a few us of work, no dependency on another program).
+        q = _normed_query(q_ptr, q_out_ptr, q_w_ptr, cos_sin_ptr, pos_ptr, seq, q_head, row_mask, chunk_id == 0, eps,
+                          stride_qb, stride_qh, stride_cs, tl.num_programs(2) * GROUP,
+                          BLOCK_M, BLOCK_D // 2, HAS_NORM, FIX_BF16)
+        if chunk_id == tl.minimum(1, num_chunks - 1):
+            _store_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+                          row_tile, kv_head, num_seqs, eps,
+                          stride_kn, stride_kh_in, stride_vn, stride_vh_in, stride_cs,
+                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                          GROUP, BLOCK_M, BLOCK_D // 2, PAGE, HAS_NORM, FIX_BF16, FIX_K_CACHE, FIX_V_CACHE)
     if start < end:  # chunks past a prefix shorter than the bound (or than the chunks' minimum) return
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
         D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
         d_mask = offs_d < HEAD_DIM
-        rows = row_tile * BLOCK_M + offs_m
-        row_mask = rows < num_rows
-        seq = (rows // GROUP).to(tl.int64)
-        q_head = kv_head * GROUP + rows % GROUP
-        # Padding rows load zeros: their scores stay finite and their stores are masked.
-        q = load_rows(q_ptr + (seq * stride_qb + q_head * stride_qh)[:, None] + offs_d[None, :],
-                      row_mask, d_mask, True, D_MASK)  # (BLOCK_M, BLOCK_D)
+        if not FUSED:
+            # Padding rows load zeros: their scores stay finite and their stores are masked.
+            q = load_rows(q_ptr + (seq * stride_qb + q_head * stride_qh)[:, None] + offs_d[None, :],
+                          row_mask, d_mask, True, D_MASK)  # (BLOCK_M, BLOCK_D)
 
         # Every row of the block table starts with the prefix's blocks: row 0 stands for all.
         # Every tile holds at least one key (n0 < end), so no row's running max stays -inf.
@@ -268,7 +383,7 @@ def _suffix_kernel(
 
 
 def cascade_with_config(
-    q: torch.Tensor,  # (B, Hq, D)
+    q: torch.Tensor,  # (B, Hq, D); with `store`, the raw q (before norm and rotary), any strides, unit along D
     k_cache: torch.Tensor,  # (num_blocks, page, Hkv, D)
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # (B, W) int32
@@ -280,9 +395,11 @@ def cascade_with_config(
     num_chunks: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # (B, Hq, D), contiguous; allocated when None
+    store: StepKV | None = None,  # the step's norm + rotary + K/V store, done by the prefix launch
 ) -> torch.Tensor:  # (B, Hq, D), dtype of q
     """cascade_decode_attention with an explicit tile config, prefix chunk count, suffix split
-    count and output buffer (for tests and benchmarks); None picks the defaults."""
+    count and output buffer (for tests and benchmarks); None picks the defaults. With `store`,
+    cascade_decode_attention_store."""
     batch, num_q_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     width = block_tables.shape[1]
@@ -293,8 +410,16 @@ def cascade_with_config(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    q = q if q.stride(-1) == 1 else q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
+    if store is None:
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        raw_q = q
+    else:
+        assert fuses_store(head_dim), f"the fused store needs a power-of-two head_dim >= 16, got {head_dim}"
+        assert q.stride(-1) == 1 and store.k.stride(-1) == 1 and store.v.stride(-1) == 1, "q, k, v need unit stride along D"
+        assert store.k.shape == store.v.shape == (batch, num_kv_heads, head_dim) and store.slot_mapping.shape == (batch,)
+        assert (store.q_norm_weight is None) == (store.k_norm_weight is None), "give both norm weights or neither"
+        raw_q, q = q, torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q: the normed, rotated q
 
     group = num_q_heads // num_kv_heads
     num_rows = batch * group
@@ -321,18 +446,33 @@ def cascade_with_config(
     precision, upcast = dot_precision(q.dtype), upcast_dot(q.dtype)
     scale_log2 = scale * LOG2E
 
-    if max_prefix_len > 0:  # else prefix_blocks is 0 and every prefix program would return at once
+    # Without a store and a prefix bound of 0, prefix_blocks is 0 and every prefix program
+    # would return at once: no launch.
+    if max_prefix_len > 0 or store is not None:
+        if store is None:
+            fused = (q, q, q, q, q, q, seq_lens, seq_lens, 0, 0, 0, 0, 0, batch, 0.0)
+            flags = dict(FUSED=False, HAS_NORM=False, FIX_BF16=False, FIX_K_CACHE=False, FIX_V_CACHE=False)
+        else:
+            has_norm = store.q_norm_weight is not None
+            fused = (store.k, store.v, q, store.q_norm_weight if has_norm else q, store.k_norm_weight if has_norm else q,
+                     store.cos_sin_cache, store.positions, store.slot_mapping,
+                     store.k.stride(0), store.k.stride(1), store.v.stride(0), store.v.stride(1), store.cos_sin_cache.stride(0),
+                     batch, store.eps)
+            flags = dict(FUSED=True, HAS_NORM=has_norm, FIX_BF16=fix_bf16_rounding(q.dtype),
+                         FIX_K_CACHE=store.k.dtype != k_cache.dtype and fix_bf16_rounding(k_cache.dtype),
+                         FIX_V_CACHE=store.v.dtype != v_cache.dtype and fix_bf16_rounding(v_cache.dtype))
         _prefix_kernel[(num_row_tiles, num_chunks, num_kv_heads)](
-            q, k_cache, v_cache, block_tables, prefix_blocks,
+            raw_q, k_cache, v_cache, block_tables, prefix_blocks,
             part_out, part_lse,
             scale_log2, num_rows, num_chunks, num_parts,
-            q.stride(0), q.stride(1),
+            raw_q.stride(0), raw_q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            *fused,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page,
             BLOCK_M=block_m, BLOCK_N=prefix_n, MIN_CHUNK=min_chunk,
             PRECISION=precision, UPCAST=upcast, SPLIT_P=config.prefix.split_p and split_p(q.dtype),
-            **pdl_launch(q.device), num_warps=config.prefix.num_warps, num_stages=config.prefix.num_stages,
+            **flags, **pdl_launch(q.device), num_warps=config.prefix.num_warps, num_stages=config.prefix.num_stages,
         )
 
     # The decode kernel's arrival counters: every launch of either kernel leaves them at zero,
@@ -360,6 +500,12 @@ def cascade_with_config(
     return out
 
 
+def fuses_store(head_dim: int) -> bool:
+    """Whether cascade_decode_attention_store takes this head size: the prefix kernel rebuilds
+    q from its two rotary halves, which needs head_dim a power of two (>= 16, a tile's)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def cascade_decode_attention(
     q: torch.Tensor,  # (B, Hq, D): one query token per sequence
     k_cache: torch.Tensor,  # (num_blocks, page, Hkv, D)
@@ -374,3 +520,24 @@ def cascade_decode_attention(
     """kernels.reference.paged_decode_attention_ref, reading the shared prefix once."""
     return cascade_with_config(q, k_cache, v_cache, block_tables, seq_lens, scale, prefix_blocks,
                                max_prefix_blocks, out=out)
+
+
+def cascade_decode_attention_store(
+    q: torch.Tensor,  # (B, Hq, D): this step's q from the projection (before norm and rotary), unit stride along D
+    step: StepKV,  # its k and v, positions, rotary cache, norm weights, slots
+    k_cache: torch.Tensor,  # (num_blocks, page, Hkv, D)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, W) int32
+    seq_lens: torch.Tensor,  # (B,) int32, >= 1
+    scale: float,
+    prefix_blocks: torch.Tensor,  # (1,) int32 on q's device
+    max_prefix_blocks: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # (B, Hq, D), dtype of q
+    """kernels.triton_fused.qk_norm_rope_store, then cascade_decode_attention, in the two
+    launches of the latter: the prefix kernel's programs also norm and rotate q (each its own
+    rows; one per row tile writes them for the suffix kernel) and write the step's K and V, so
+    a layer's decode attention takes one launch fewer. The new tokens' slots lie outside the
+    shared prefix (a block being written is never shared). fuses_store(head_dim) must hold."""
+    return cascade_with_config(q, k_cache, v_cache, block_tables, seq_lens, scale, prefix_blocks,
+                               max_prefix_blocks, out=out, store=step)

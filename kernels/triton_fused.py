@@ -102,7 +102,7 @@ def _rounded(x, dt: tl.constexpr, FIX_BF16: tl.constexpr):
 
 
 @triton.jit
-def _store_as(ptr, x, dt: tl.constexpr, mask, FIX_BF16: tl.constexpr, FIX_DST: tl.constexpr):
+def store_as(ptr, x, dt: tl.constexpr, mask, FIX_BF16: tl.constexpr, FIX_DST: tl.constexpr):
     """Store fp32 x as the result of a torch op in dt, converted to ptr's dtype (torch's .to()).
     FIX_DST: ptr is bf16, dt is not, and the conversion must round by hand (interpreter)."""
     out = round_to(x, dt, FIX_BF16)
@@ -112,18 +112,14 @@ def _store_as(ptr, x, dt: tl.constexpr, mask, FIX_BF16: tl.constexpr, FIX_DST: t
 
 
 @triton.jit
-def _norm_rope_heads(
-    src, dst, w_ptr, cos, sin, offs, mask, eps,
-    HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr, FIX_DST: tl.constexpr,
+def norm_rope_halves(
+    x1, x2, w_ptr, cos, sin, offs, eps, dt: tl.constexpr,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Heads of one token, a row each: src and dst are (heads, 1) pointers to each head's first
-    element (unit stride along D), offs (1, BLOCK_HALF), mask (heads, BLOCK_HALF). Load each
-    head's two halves, optionally RMSNorm them over the whole head, rotate, and store. cos/sin
-    are fp32 (1, BLOCK_HALF). The math rounds in src's dtype; dst may be of another dtype (a
-    cache's)."""
-    dt = src.dtype.element_ty
-    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    """fp32 halves x1, x2 (rows, BLOCK_HALF) of heads, a row each -> the halves after the
+    optional RMSNorm over each whole head and the rotary, every op rounded to dt as torch's
+    ops in dt round (the values are dt's, held in fp32). offs (1, BLOCK_HALF); cos and sin are
+    fp32 and broadcast against the rows (one position for all, or one a row)."""
     if HAS_NORM:
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
         w_mask = offs < HALF
@@ -135,8 +131,24 @@ def _norm_rope_heads(
     # torch: cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin), every op rounded
     o1 = _rounded(x1 * cos, dt, FIX_BF16) - _rounded(x2 * sin, dt, FIX_BF16)
     o2 = _rounded(x2 * cos, dt, FIX_BF16) + _rounded(x1 * sin, dt, FIX_BF16)
-    _store_as(dst + offs, o1, dt, mask, FIX_BF16, FIX_DST)
-    _store_as(dst + HALF + offs, o2, dt, mask, FIX_BF16, FIX_DST)
+    return o1, o2
+
+
+@triton.jit
+def _norm_rope_heads(
+    src, dst, w_ptr, cos, sin, offs, mask, eps,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr, FIX_DST: tl.constexpr,
+):  # fmt: skip
+    """Heads of one token, a row each: src and dst are (heads, 1) pointers to each head's first
+    element (unit stride along D), offs (1, BLOCK_HALF), mask (heads, BLOCK_HALF). Load each
+    head's two halves, norm_rope_halves them, and store. cos/sin are fp32 (1, BLOCK_HALF).
+    The math rounds in src's dtype; dst may be of another dtype (a cache's)."""
+    dt = src.dtype.element_ty
+    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = norm_rope_halves(x1, x2, w_ptr, cos, sin, offs, eps, dt, HALF, HAS_NORM, FIX_BF16)
+    store_as(dst + offs, o1, dt, mask, FIX_BF16, FIX_DST)
+    store_as(dst + HALF + offs, o2, dt, mask, FIX_BF16, FIX_DST)
 
 
 @triton.jit

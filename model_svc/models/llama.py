@@ -26,6 +26,7 @@ from model_svc.layers import (
     SiluAndMul,
     apply_rotary,
     fused_kernels,
+    triton_module,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -56,6 +57,9 @@ class LlamaAttention(nn.Module):
         fused = fused_kernels(ops)
         self.fused_qk_norm_rope = fused.qk_norm_rope if fused is not None else None
         self.fused_qk_norm_rope_store = fused.qk_norm_rope_store if fused is not None else None
+        # Cascade decode (a shared prefix) with the norm + rotary + K/V store in its prefix launch.
+        cascade = triton_module(ops, "triton_cascade")
+        self.cascade = cascade if cascade is not None and cascade.fuses_store(self.head_dim) else None
 
     def forward(
         self,
@@ -74,7 +78,9 @@ class LlamaAttention(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # (N, hidden)
         n = qkv.shape[0]
-        if self.fused_qk_norm_rope_store is not None and self.attn.has_cache(kv_cache):
+        if self.cascade is not None and attn.is_decode and attn.prefix_blocks is not None and self.attn.has_cache(kv_cache):
+            o = self.cascade_attend(qkv, rope, kv_cache, attn)  # (N, Hq, D)
+        elif self.fused_qk_norm_rope_store is not None and self.attn.has_cache(kv_cache):
             q = self.query_and_store(qkv, rope, kv_cache, attn.slot_mapping)  # contiguous (N, Hq, D)
             o = self.attn(q, None, None, kv_cache, attn, stored=True)  # (N, Hq, D)
         else:
@@ -100,6 +106,20 @@ class LlamaAttention(nn.Module):
             q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
             v.view(n, self.num_kv_heads, self.head_dim), rope.positions, rope.cos_sin_cache, q_w, k_w, eps,
             k_cache, v_cache, slot_mapping, out=out,
+        )
+
+    def cascade_attend(self, qkv: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
+        """Decode over a shared prefix: query_and_store's work and cascade attention in the
+        cascade's two launches (kernels.triton_cascade.cascade_decode_attention_store)."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q_w, k_w, eps = self._norm_args()
+        step = self.cascade.StepKV(k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim),
+                                   rope.positions, rope.cos_sin_cache, q_w, k_w, eps, attn.slot_mapping)
+        k_cache, v_cache = kv_cache
+        return self.cascade.cascade_decode_attention_store(
+            q.view(n, self.num_heads, self.head_dim), step, k_cache, v_cache, attn.block_tables, attn.seq_lens,
+            self.attn.scale, attn.prefix_blocks, attn.max_prefix_blocks,
         )
 
     def _norm_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:

@@ -115,3 +115,29 @@ def test_programmatic_dependent_launch_changes_no_token(monkeypatch):
         return [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)]
 
     assert run("1") == run("0")
+
+
+def test_cascade_with_fused_store_equals_plain_decode(tmp_path, monkeypatch):
+    """A tiny Qwen3 (head_dim 64, q/k norm, GQA): decode over a shared prefix through the cascade
+    graphs, whose prefix launch also norms q/k and writes the step's K/V
+    (kernels.triton_cascade.cascade_decode_attention_store), gives the greedy tokens of plain
+    eager decode without prefix caching."""
+    import random
+
+    from kernels import triton_cascade
+    from tests.model.tiny_models import make_tiny_hf_model
+
+    path = str(make_tiny_hf_model(tmp_path, "qwen3"))
+    calls = []
+    fused = triton_cascade.cascade_decode_attention_store
+    monkeypatch.setattr(triton_cascade, "cascade_decode_attention_store", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, 500) for _ in range(300)]
+    prompts = [prefix + [rng.randrange(3, 500) for _ in range(2 + i)] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    fast = LLM(model=path, device="cuda", dtype="float32", num_gpu_blocks=512, async_scheduling=True, enable_prefix_caching=True)
+    slow = LLM(model=path, device="cuda", dtype="float32", num_gpu_blocks=512, enforce_eager=True, enable_prefix_caching=False)
+    got = [o.token_ids for o in fast.generate(prompts[:1], params) + fast.generate(prompts[1:], params)]
+    want = [o.token_ids for o in slow.generate(prompts, params)]
+    assert calls, "the cascade path with the fused store was not taken"
+    assert got == want
