@@ -69,7 +69,23 @@ def test_bad_prompts_raise_value_error(llm):
         engine.add_request([1, 99999], SamplingParams())
     with pytest.raises(ValueError, match="limit"):
         engine.add_request([5] * engine.max_model_len, SamplingParams())
+    for bad in ([1, 2.0], [1, "2"], [1, None], [-1], [2**70]):
+        with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, 512\)"):
+            engine.add_request(bad, SamplingParams())
     assert not engine.has_unfinished()
+
+
+def test_prompt_ids_of_any_integer_type_become_ints(llm):
+    """numpy integers, a tuple or a generator of ids: checked and stored as plain ints."""
+    import numpy as np
+
+    engine = llm.engine
+    for prompt in (np.array([5, 6, 7]).tolist(), list(np.array([5, 6, 7])), (5, 6, 7), (t for t in [5, 6, 7])):
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=1))
+        req = engine.requests[rid]
+        assert req.prompt_token_ids == [5, 6, 7] and all(type(t) is int for t in req.prompt_token_ids)
+        engine.abort(rid)
+    _clean(llm)
 
 
 # ------------------------------------------------------------------ stop conditions
