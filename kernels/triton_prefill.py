@@ -4,10 +4,12 @@ The new tokens of B sequences are flattened (cu_seqlens_q); the new tokens of se
 context positions seq_lens[b] - q_len_b .. seq_lens[b] - 1, and all K/V (cached prefix and the
 new tokens' own) are read from the paged cache through the block table.
 
-Grid: (query tiles, query heads). The tiles of all sequences are numbered without a device sync
-the way varlen flash attention does it: sequence b owns tile ids
-[cu_q[b] // BLOCK_M + b, cu_q[b + 1] // BLOCK_M + b + 1), at least ceil(q_len_b / BLOCK_M) of
-them, so Nq // BLOCK_M + B programs always cover the batch (the few spare ones return at once).
+Grid: (query tiles, query heads / H). A tile holds T = BLOCK_M / H query tokens of H query heads
+(H = 1, or with PrefillConfig.pack_gqa the G heads of one KV head, so that short queries over
+long contexts fill the rows and read each K/V tile once for the group). The tiles of all
+sequences are numbered without a device sync the way varlen flash attention does it: sequence
+b owns tile ids [cu_q[b] // T + b, cu_q[b + 1] // T + b + 1), at least ceil(q_len_b / T) of
+them, so Nq // T + B programs always cover the batch (the few spare ones return at once).
 A program finds its sequence by binary search over cu_seqlens_q. Tile ids are taken in reverse,
 so the last (longest-context) tiles start first.
 
@@ -54,6 +56,9 @@ class PrefillConfig:
     # prefill is tensor-core bound and the second product costs a third of its speed (316 ->
     # 211 TFLOP/s for a 4k prompt on the H200, bench/results/kernels_h200.md).
     split_p: bool = False
+    # GQA heads packed into the rows: a tile holds block_m // G tokens x the G query heads of
+    # one KV head, so each K/V tile feeds all of them (taken when G divides block_m).
+    pack_gqa: bool = False
 
 
 SHORT_QUERIES = 64  # new tokens per sequence up to which the prefill kernel takes 64-row tiles
@@ -65,7 +70,7 @@ def default_prefill_config(dtype: torch.dtype, head_dim: int, max_query_len: int
     no sequence brings more than 64 new tokens (0 < max_query_len <= 64: prompts served
     mostly from the prefix cache, short chunks), 128-row tiles would be mostly empty: 64 x 64
     tiles at 4 warps (H200, 64 sequences x 32 new tokens over 1,056-token contexts: 120 us a
-    layer against 229).
+    layer against 229), the GQA heads packed into the rows.
     Larger heads and fp32 (whose exact products run on FMA units and need many registers)
     use smaller tiles, chosen so that the compiled kernels do not spill. The interpreter uses
     16 x 16 tiles so that small test shapes still span several tiles."""
@@ -77,7 +82,7 @@ def default_prefill_config(dtype: torch.dtype, head_dim: int, max_query_len: int
     if block_d > 128:
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if 0 < max_query_len <= SHORT_QUERIES:
-        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=True)
     return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
@@ -109,20 +114,22 @@ def _prefill_kernel(
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_P: tl.constexpr, FIX_BF16: tl.constexpr,
+    SPLIT_P: tl.constexpr, FIX_BF16: tl.constexpr, HEADS: tl.constexpr,
 ):
+    # HEADS query heads share each row tile (1, or all GROUP of a KV head): row r holds token
+    # r // HEADS of the tile, query head program_id(1) * HEADS + r % HEADS.
+    TOKENS: tl.constexpr = BLOCK_M // HEADS  # query tokens per tile
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(1) * HEADS // GROUP
 
-    seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M)
+    seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, TOKENS)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    m_start = (tile_id - (q_start // BLOCK_M + seq)) * BLOCK_M
+    m_start = (tile_id - (q_start // TOKENS + seq)) * TOKENS
     if m_start < q_len:
         seq_len = tl.load(seq_lens_ptr + seq)
-        first_pos = seq_len - q_len + m_start  # context position of the tile's first query row
-        kv_end = tl.minimum(first_pos + BLOCK_M, seq_len)  # one past the last key any row sees
+        first_pos = seq_len - q_len + m_start  # context position of the tile's first query token
+        kv_end = tl.minimum(first_pos + TOKENS, seq_len)  # one past the last key any row sees
         full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # keys below it are seen by every row
 
         offs_m = tl.arange(0, BLOCK_M)
@@ -130,11 +137,12 @@ def _prefill_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
         d_mask = offs_d < HEAD_DIM
-        rows = m_start + offs_m
+        rows = m_start + offs_m // HEADS  # the rows' tokens within the sequence's new ones
+        heads = tl.program_id(1) * HEADS + offs_m % HEADS
         row_mask = rows < q_len
-        q_pos = first_pos + offs_m
+        q_pos = first_pos + offs_m // HEADS
         q_offs = (q_start + rows).to(tl.int64)
-        q = load_rows(q_ptr + q_offs[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        q = load_rows(q_ptr + q_offs[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                       row_mask, d_mask, True, D_MASK)  # (BLOCK_M, BLOCK_D)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -175,7 +183,7 @@ def _prefill_kernel(
             acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
 
         out = acc / l_i[:, None]
-        tl.store(out_ptr + q_offs[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        tl.store(out_ptr + q_offs[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  round_to(out, out_ptr.dtype.element_ty, FIX_BF16), mask=row_mask[:, None] & d_mask[None, :])
 
 
@@ -205,18 +213,20 @@ def prefill_with_config(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
     if config is None:
         config = default_prefill_config(q.dtype, head_dim, max_query_len)
-    num_tiles = num_tokens // config.block_m + num_seqs
-    _prefill_kernel[(num_tiles, num_q_heads)](
+    group = num_q_heads // num_kv_heads
+    heads = group if config.pack_gqa and config.block_m % group == 0 else 1
+    num_tiles = num_tokens // (config.block_m // heads) + num_seqs
+    _prefill_kernel[(num_tiles, num_q_heads // heads)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E, num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE=page,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE=page,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), SPLIT_P=config.split_p and split_p(q.dtype),
-        FIX_BF16=fix_bf16_rounding(q.dtype),
+        FIX_BF16=fix_bf16_rounding(q.dtype), HEADS=heads,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

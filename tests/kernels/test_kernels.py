@@ -317,11 +317,21 @@ def test_prefill_matches_reference(device, dtype, batch, block_size, head_dim, h
 
 @pytest.mark.parametrize(
     "config",
-    [PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(32, 16, 4, 2), PrefillConfig(16, 32, 4, 2)],
-    ids=["128x64", "64x64", "32x16", "16x32"],
+    [PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(32, 16, 4, 2), PrefillConfig(16, 32, 4, 2),
+     PrefillConfig(16, 16, 4, 1, pack_gqa=True), PrefillConfig(32, 16, 4, 2, pack_gqa=True)],
+    ids=["128x64", "64x64", "32x16", "16x32", "16x16-packed", "32x16-packed"],
 )
 def test_prefill_other_tile_configs(device, config):
     run_prefill_case(device, torch.bfloat16, "ragged", 8, 64, (8, 2), config=config)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", list(PREFILL_BATCHES))
+@pytest.mark.parametrize("heads", [(4, 2), (8, 1), (2, 2), (6, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_prefill_packed_gqa_heads(device, dtype, batch, heads):
+    """The G query heads of a KV head as rows of one tile (G tokens fewer per tile); with G = 3
+    not dividing the 16 rows the kernel keeps one head a tile."""
+    run_prefill_case(device, dtype, batch, 4, 16, heads, config=PrefillConfig(16, 16, 4, 1, pack_gqa=True))
 
 
 def test_prefill_tiles_follow_the_longest_new_token_run(monkeypatch):
@@ -332,7 +342,7 @@ def test_prefill_tiles_follow_the_longest_new_token_run(monkeypatch):
 
     monkeypatch.setattr(tp, "interpreting", lambda: False)
     bf16 = torch.bfloat16
-    assert tp.default_prefill_config(bf16, 128, 32) == tp.default_prefill_config(bf16, 128, 64) == PrefillConfig(64, 64, 4, 3)
+    assert tp.default_prefill_config(bf16, 128, 32) == tp.default_prefill_config(bf16, 128, 64) == PrefillConfig(64, 64, 4, 3, pack_gqa=True)
     assert tp.default_prefill_config(bf16, 128, 65) == tp.default_prefill_config(bf16, 128, 0) == PrefillConfig(128, 128, 8, 3)
     assert tp.default_prefill_config(torch.float32, 128, 32).block_m == 32
     monkeypatch.setattr(tp, "interpreting", lambda: True)
