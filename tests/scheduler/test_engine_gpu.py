@@ -117,14 +117,15 @@ def test_programmatic_dependent_launch_changes_no_token(monkeypatch):
     assert run("1") == run("0")
 
 
-def test_cascade_with_fused_store_equals_plain_decode(tmp_path, monkeypatch):
-    """A tiny Qwen3 (head_dim 64, q/k norm, GQA): decode over a shared prefix through the cascade
+def test_cascade_with_fused_store_equals_separate_launches(tmp_path, monkeypatch):
+    """A tiny Qwen3 (head_dim 64, q/k norm, GQA) decoding over a shared prefix: the cascade
     graphs, whose prefix launch also norms q/k and writes the step's K/V
-    (kernels.triton_cascade.cascade_decode_attention_store), gives the greedy tokens of plain
-    eager decode without prefix caching."""
+    (kernels.triton_cascade.cascade_decode_attention_store), give the greedy tokens of eager
+    decode with the separate qk_norm_rope_store launch before the cascade."""
     import random
 
     from kernels import triton_cascade
+    from model_svc.models.llama import LlamaAttention
     from tests.model.tiny_models import make_tiny_hf_model
 
     path = str(make_tiny_hf_model(tmp_path, "qwen3"))
@@ -135,9 +136,16 @@ def test_cascade_with_fused_store_equals_plain_decode(tmp_path, monkeypatch):
     prefix = [rng.randrange(3, 500) for _ in range(300)]
     prompts = [prefix + [rng.randrange(3, 500) for _ in range(2 + i)] for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    fast = LLM(model=path, device="cuda", dtype="float32", num_gpu_blocks=512, async_scheduling=True, enable_prefix_caching=True)
-    slow = LLM(model=path, device="cuda", dtype="float32", num_gpu_blocks=512, enforce_eager=True, enable_prefix_caching=False)
-    got = [o.token_ids for o in fast.generate(prompts[:1], params) + fast.generate(prompts[1:], params)]
-    want = [o.token_ids for o in slow.generate(prompts, params)]
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)]
+
+    got = run(LLM(model=path, device="cuda", dtype="float32", num_gpu_blocks=512, async_scheduling=True))
     assert calls, "the cascade path with the fused store was not taken"
-    assert got == want
+    slow = LLM(model=path, device="cuda", dtype="float32", num_gpu_blocks=512, enforce_eager=True, async_scheduling=False)
+    for module in slow.engine.model.model.modules():
+        if isinstance(module, LlamaAttention):
+            module.cascade = None  # qk_norm_rope_store, then cascade_decode_attention
+    calls.clear()
+    assert run(slow) == got
+    assert not calls
