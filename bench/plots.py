@@ -32,6 +32,7 @@ HISTORY = [
     ("v13 prefill\ngraphs", 24439),
     ("v16 split-K\no, down", 24854),
     ("v17 q/k norm\nby head groups", 25409),
+    ("v18 cascade\nstore fused\n(path unchanged)", 24984),
 ]
 
 # (label, [(throughput on/off, TTFT p50 off/on) per run]) of bench/prefix.py, as bench/NOTES.md
@@ -42,8 +43,9 @@ PREFIX_HISTORY = [
     ("v13 prefill\ngraphs", [(2.75, 5.52), (2.77, 6.04), (2.76, 5.91)]),
     ("v14 short-run\nprefill\ntiles", [(2.73, 5.87), (2.72, 5.38), (2.81, 7.21), (2.80, 7.42)]),
     ("v15 gate|up\n+ SiLU in\none kernel", [(2.86, 7.18), (2.83, 5.72)]),
-    ("v16 split-K\no, down (medians\nof five runs)", [(2.93, 7.03), (2.93, 9.66)]),
-    ("v17 q/k norm by\nhead groups (uncached\nrun +6 %, medians)", [(2.82, 7.27)]),
+    ("v16 split-K\n(medians\nof five)", [(2.93, 7.03), (2.93, 9.66)]),
+    ("v17 q/k norm\nhead groups\n(medians)", [(2.82, 7.27)]),
+    ("v18 store in\ncascade, GQA\nprefill (medians)", [(2.90, 7.21), (2.90, 8.34), (2.80, 6.92)]),
 ]
 
 

@@ -36,7 +36,12 @@ returns for the first six arguments, given that the first prefix_blocks entries 
 of block_tables are equal and prefix_blocks * page <= min(seq_lens).
 
 The model runner calls it for decode batches that share enough leading blocks
-(model_svc.attention_metadata.shared_prefix_blocks).
+(model_svc.attention_metadata.shared_prefix_blocks), through
+`cascade_decode_attention_store`: the same two launches, the prefix kernel's programs also
+doing kernels.triton_fused.qk_norm_rope_store's work for the step (each norms and rotates
+its own q rows from the projection's output; one program per row tile and KV head writes
+those rows for the suffix kernel, another the new K and V), so a layer's decode attention
+needs no launch of its own for them.
 """
 
 from __future__ import annotations

@@ -36,8 +36,10 @@ class LlamaAttention(nn.Module):
     """qkv projection, per-head q/k norm (Qwen3) + rotary, paged attention, o projection.
 
     On the Triton ops with a cache, one fused kernel does the norm + rotary of q and k and
-    writes this step's K and V into the cache (qk_norm_rope_store); without a cache (the
-    profiling forward) or on the torch ops, q and k are rotated and Attention stores K/V.
+    writes this step's K and V into the cache (qk_norm_rope_store); a decode step over a
+    shared prefix does that inside the cascade's prefix launch instead (cascade_attend);
+    without a cache (the profiling forward) or on the torch ops, q and k are rotated and
+    Attention stores K/V.
     """
 
     def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
