@@ -63,7 +63,6 @@ from kernels.triton_common import (
     num_sms,
     pdl_launch,
     pdl_prologue,
-    round_to,
     split_p,
     upcast_dot,
 )
@@ -77,7 +76,7 @@ from kernels.triton_decode import (
     default_decode_config,
     pick_num_splits,
 )
-from kernels.triton_fused import norm_rope_halves, store_as
+from kernels.triton_fused import cast_needs_fix, normed_query_rows, store_kv_rows
 from kernels.triton_prefill import PrefillConfig
 
 
@@ -159,81 +158,6 @@ def _split_len(n, num_splits, ALIGN: tl.constexpr, MIN: tl.constexpr):
     return tl.maximum(tl.cdiv(tl.cdiv(n, num_splits), ALIGN) * ALIGN, MIN)
 
 
-@triton.jit
-def _load_cos_sin_rows(cos_sin_ptr, pos_ptr, seq, row_mask, mask, stride_cs, offs_h, HALF: tl.constexpr):
-    """fp32 cos, sin (rows, HALF) at the positions of the rows' sequences (mask: row_mask
-    broadcast to (rows, HALF))."""
-    pos = tl.load(pos_ptr + seq, mask=row_mask, other=0).to(tl.int64)[:, None]
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_h, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_h, mask=mask, other=0.0).to(tl.float32)
-    return cos, sin
-
-
-@triton.jit
-def _normed_query(
-    q_ptr, q_out_ptr, q_w_ptr, cos_sin_ptr, pos_ptr, seq, q_head, row_mask, write, eps,
-    stride_qb, stride_qh, stride_cs, num_q_heads,
-    BLOCK_M: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr,
-):  # fmt: skip
-    """The (BLOCK_M, 2 * HALF) query rows (sequence seq, head q_head) from the projection's
-    output: the per-head norm and rotary of kernels.triton_fused, to the same bits; with
-    `write`, also stored to q_out (contiguous (B, Hq, D)) for the suffix kernel."""
-    offs_h = tl.arange(0, HALF)[None, :]
-    mask = row_mask[:, None] & (offs_h < HALF)
-    cos, sin = _load_cos_sin_rows(cos_sin_ptr, pos_ptr, seq, row_mask, mask, stride_cs, offs_h, HALF)
-    src = q_ptr + (seq * stride_qb + q_head * stride_qh)[:, None]
-    dt = q_ptr.dtype.element_ty
-    x1 = tl.load(src + offs_h, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + offs_h, mask=mask, other=0.0).to(tl.float32)
-    o1, o2 = norm_rope_halves(x1, x2, q_w_ptr, cos, sin, offs_h, eps, dt, HALF, HAS_NORM, FIX_BF16)
-    o1, o2 = round_to(o1, dt, FIX_BF16), round_to(o2, dt, FIX_BF16)  # as qk_norm_rope_store stores them
-    if write:
-        dst = q_out_ptr + ((seq * num_q_heads + q_head) * (2 * HALF))[:, None]
-        tl.store(dst + offs_h, o1, mask=mask)
-        tl.store(dst + HALF + offs_h, o2, mask=mask)
-    return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_M, 2 * HALF))  # [o1 | o2] along the head dim
-
-
-@triton.jit
-def _store_new_kv(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
-    row_tile, kv_head, num_seqs, eps,
-    stride_kn, stride_kh_in, stride_vn, stride_vh_in, stride_cs,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, HAS_NORM: tl.constexpr,
-    FIX_BF16: tl.constexpr, FIX_K_CACHE: tl.constexpr, FIX_V_CACHE: tl.constexpr,
-):  # fmt: skip
-    """This step's K (normed, rotated) and V (a copy) of KV head kv_head into the caches, for
-    the sequences with a row in this row tile (a sequence whose rows straddle two tiles is
-    written by both, the same bits); a slot < 0 writes nothing. As
-    kernels.triton_fused.qk_norm_rope_store does for these heads."""
-    seqs = (row_tile * BLOCK_M) // GROUP + tl.arange(0, BLOCK_M)
-    in_tile = (seqs < num_seqs) & (seqs * GROUP < (row_tile + 1) * BLOCK_M)
-    slot = tl.load(slot_ptr + seqs, mask=in_tile, other=-1).to(tl.int64)
-    offs_h = tl.arange(0, HALF)[None, :]
-    writes = in_tile & (slot >= 0)
-    mask = writes[:, None] & (offs_h < HALF)
-    seqs = seqs.to(tl.int64)
-    head = kv_head.to(tl.int64)
-    cos, sin = _load_cos_sin_rows(cos_sin_ptr, pos_ptr, seqs, writes, mask, stride_cs, offs_h, HALF)
-    src = k_ptr + (seqs * stride_kn + head * stride_kh_in)[:, None]
-    x1 = tl.load(src + offs_h, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + offs_h, mask=mask, other=0.0).to(tl.float32)
-    dt = k_ptr.dtype.element_ty
-    o1, o2 = norm_rope_halves(x1, x2, k_w_ptr, cos, sin, offs_h, eps, dt, HALF, HAS_NORM, FIX_BF16)
-    block, offset = slot // PAGE, slot % PAGE
-    dst = k_cache_ptr + (block * stride_kb + offset * stride_ks + head * stride_kh)[:, None]
-    store_as(dst + offs_h, o1, dt, mask, FIX_BF16, FIX_K_CACHE)
-    store_as(dst + HALF + offs_h, o2, dt, mask, FIX_BF16, FIX_K_CACHE)
-    src = v_ptr + (seqs * stride_vn + head * stride_vh_in)[:, None]
-    dst = v_cache_ptr + (block * stride_vb + offset * stride_vs + head * stride_vh)[:, None]
-    for i in tl.static_range(2):
-        x = tl.load(src + i * HALF + offs_h, mask=mask, other=0.0)
-        if FIX_V_CACHE:
-            x = round_to(x.to(tl.float32), dst.dtype.element_ty, True)
-        tl.store(dst + i * HALF + offs_h, x.to(dst.dtype.element_ty), mask=mask)
-
-
 @triton.jit(do_not_specialize=["num_rows", "num_chunks", "num_parts", "num_seqs"],  # they change with the batch
             do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # slices of packed tensors
 def _prefix_kernel(
@@ -276,11 +200,11 @@ def _prefix_kernel(
         # chunks: chunk 0 of a (row tile, KV head) writes its q rows for the suffix kernel,
         # chunk 1 (0 when there is one) its sequences' new K and V. Every chunk norms its own
         # q rows (a few us of work, no dependency on another program).
-        q = _normed_query(q_ptr, q_out_ptr, q_w_ptr, cos_sin_ptr, pos_ptr, seq, q_head, row_mask, chunk_id == 0, eps,
+        q = normed_query_rows(q_ptr, q_out_ptr, q_w_ptr, cos_sin_ptr, pos_ptr, seq, q_head, row_mask, chunk_id == 0, eps,
                           stride_qb, stride_qh, stride_cs, tl.num_programs(2) * GROUP,
                           BLOCK_M, BLOCK_D // 2, HAS_NORM, FIX_BF16)
         if chunk_id == tl.minimum(1, num_chunks - 1):
-            _store_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+            store_kv_rows(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
                           row_tile, kv_head, num_seqs, eps,
                           stride_kn, stride_kh_in, stride_vn, stride_vh_in, stride_cs,
                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -464,8 +388,8 @@ def cascade_with_config(
                      store.k.stride(0), store.k.stride(1), store.v.stride(0), store.v.stride(1), store.cos_sin_cache.stride(0),
                      batch, store.eps)
             flags = dict(FUSED=True, HAS_NORM=has_norm, FIX_BF16=fix_bf16_rounding(q.dtype),
-                         FIX_K_CACHE=store.k.dtype != k_cache.dtype and fix_bf16_rounding(k_cache.dtype),
-                         FIX_V_CACHE=store.v.dtype != v_cache.dtype and fix_bf16_rounding(v_cache.dtype))
+                         FIX_K_CACHE=cast_needs_fix(store.k.dtype, k_cache.dtype),
+                         FIX_V_CACHE=cast_needs_fix(store.v.dtype, v_cache.dtype))
         _prefix_kernel[(num_row_tiles, num_chunks, num_kv_heads)](
             raw_q, k_cache, v_cache, block_tables, prefix_blocks,
             part_out, part_lse,

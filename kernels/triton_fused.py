@@ -135,20 +135,32 @@ def norm_rope_halves(
 
 
 @triton.jit
-def _norm_rope_heads(
+def norm_rope_rows(
     src, dst, w_ptr, cos, sin, offs, mask, eps,
     HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr, FIX_DST: tl.constexpr,
 ):  # fmt: skip
-    """Heads of one token, a row each: src and dst are (heads, 1) pointers to each head's first
-    element (unit stride along D), offs (1, BLOCK_HALF), mask (heads, BLOCK_HALF). Load each
-    head's two halves, norm_rope_halves them, and store. cos/sin are fp32 (1, BLOCK_HALF).
-    The math rounds in src's dtype; dst may be of another dtype (a cache's)."""
+    """Heads, a row each: src and dst are (rows, 1) pointers to each head's first element (unit
+    stride along D), offs (1, BLOCK_HALF), mask (rows, BLOCK_HALF). Load each head's two halves,
+    norm_rope_halves them, and store. cos/sin are fp32, (1, BLOCK_HALF) for heads of one token
+    or (rows, BLOCK_HALF). The math rounds in src's dtype; dst may be of another dtype (a
+    cache's)."""
     dt = src.dtype.element_ty
     x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     o1, o2 = norm_rope_halves(x1, x2, w_ptr, cos, sin, offs, eps, dt, HALF, HAS_NORM, FIX_BF16)
     store_as(dst + offs, o1, dt, mask, FIX_BF16, FIX_DST)
     store_as(dst + HALF + offs, o2, dt, mask, FIX_BF16, FIX_DST)
+
+
+@triton.jit
+def copy_rows(src, dst, offs, mask, HALF: tl.constexpr, FIX_DST: tl.constexpr):
+    """Heads copied as they are (V into a cache), a row each, pointers and masks as in
+    norm_rope_rows; FIX_DST: the cache is bf16 and src is not, rounded by hand (interpreter)."""
+    for i in tl.static_range(2):  # offs spans half a head
+        x = tl.load(src + i * HALF + offs, mask=mask, other=0.0)
+        if FIX_DST:
+            x = round_to(x.to(tl.float32), dst.dtype.element_ty, True)
+        tl.store(dst + i * HALF + offs, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -180,12 +192,12 @@ def _qk_norm_rope_kernel(
         head = first + rows
         src = q_ptr + tok * stride_qn + head * stride_qh
         dst = q_out_ptr + (tok * num_q_heads + head) * (2 * HALF)
-        _norm_rope_heads(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
+        norm_rope_rows(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
     else:
         kv_head = first - num_q_heads + rows
         src = k_ptr + tok * stride_kn + kv_head * stride_kh
         dst = k_out_ptr + (tok * num_kv_heads + kv_head) * (2 * HALF)
-        _norm_rope_heads(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
+        norm_rope_rows(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, q_norm_weight, k_norm_weight) -> bool:
@@ -258,7 +270,7 @@ def _qk_norm_rope_store_kernel(
         head = first + rows
         src = q_ptr + tok * stride_qn + head * stride_qh
         dst = q_out_ptr + (tok * num_q_heads + head) * (2 * HALF)
-        _norm_rope_heads(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
+        norm_rope_rows(src, dst, q_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, False)
     else:
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         if slot >= 0:
@@ -269,16 +281,12 @@ def _qk_norm_rope_store_kernel(
                 cos, sin = _load_cos_sin(cos_sin_ptr, pos_ptr, tok, stride_cs, offs, offs < HALF, HALF)
                 src = k_ptr + tok * stride_kn + kv_head * stride_kh
                 dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
-                _norm_rope_heads(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, FIX_K_CACHE)
+                norm_rope_rows(src, dst, k_w_ptr, cos, sin, offs, mask, eps, HALF, HAS_NORM, FIX_BF16, FIX_K_CACHE)
             else:
                 kv_head -= num_kv_heads
                 src = v_ptr + tok * stride_vn + kv_head * stride_vh
                 dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_head * stride_vch
-                for i in tl.static_range(2):  # offs spans half a head
-                    x = tl.load(src + i * HALF + offs, mask=mask, other=0.0)
-                    if FIX_V_CACHE:
-                        x = round_to(x.to(tl.float32), dst.dtype.element_ty, True)
-                    tl.store(dst + i * HALF + offs, x.to(dst.dtype.element_ty), mask=mask)
+                copy_rows(src, dst, offs, mask, HALF, FIX_V_CACHE)
 
 
 def heads_per_program(num_q_heads: int, num_kv_heads: int) -> int:
@@ -291,7 +299,7 @@ def heads_per_program(num_q_heads: int, num_kv_heads: int) -> int:
     return heads
 
 
-def _cast_needs_fix(src: torch.dtype, dst: torch.dtype) -> bool:
+def cast_needs_fix(src: torch.dtype, dst: torch.dtype) -> bool:
     """A conversion src -> dst that the interpreter would truncate (see fix_bf16_rounding)."""
     return src != dst and fix_bf16_rounding(dst)
 
@@ -340,11 +348,82 @@ def qk_norm_rope_store(
         num_q_heads, num_kv_heads, eps,
         HALF=half, BLOCK_HALF=next_pow2(half), HEADS=heads, PAGE=k_cache.shape[1], HAS_NORM=has_norm,
         FIX_BF16=fix_bf16_rounding(q.dtype),
-        FIX_K_CACHE=_cast_needs_fix(k.dtype, k_cache.dtype), FIX_V_CACHE=_cast_needs_fix(v.dtype, v_cache.dtype),
+        FIX_K_CACHE=cast_needs_fix(k.dtype, k_cache.dtype), FIX_V_CACHE=cast_needs_fix(v.dtype, v_cache.dtype),
         **pdl_launch(q.device),
         num_warps=max(1, heads // 2),
     )  # fmt: skip
     return q_out
+
+
+# ---- the same, as rows of the cascade's prefix kernel (kernels.triton_cascade) ----
+
+
+@triton.jit
+def load_cos_sin_rows(cos_sin_ptr, pos_ptr, seq, row_mask, mask, stride_cs, offs_h, HALF: tl.constexpr):
+    """fp32 cos, sin (rows, HALF) at the positions of the rows' sequences (mask: row_mask
+    broadcast to (rows, HALF))."""
+    pos = tl.load(pos_ptr + seq, mask=row_mask, other=0).to(tl.int64)[:, None]
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_h, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_h, mask=mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def normed_query_rows(
+    q_ptr, q_out_ptr, q_w_ptr, cos_sin_ptr, pos_ptr, seq, q_head, row_mask, write, eps,
+    stride_qb, stride_qh, stride_cs, num_q_heads,
+    BLOCK_M: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr,
+):  # fmt: skip
+    """The (BLOCK_M, 2 * HALF) query rows (sequence seq, head q_head) from the projection's
+    output: the per-head norm and rotary of qk_norm_rope_store, to the same bits; with
+    `write`, also stored to q_out (contiguous (B, Hq, D)). For the cascade's prefix kernel,
+    which needs the rows whole in registers."""
+    offs_h = tl.arange(0, HALF)[None, :]
+    mask = row_mask[:, None] & (offs_h < HALF)
+    cos, sin = load_cos_sin_rows(cos_sin_ptr, pos_ptr, seq, row_mask, mask, stride_cs, offs_h, HALF)
+    src = q_ptr + (seq * stride_qb + q_head * stride_qh)[:, None]
+    dt = q_ptr.dtype.element_ty
+    x1 = tl.load(src + offs_h, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs_h, mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = norm_rope_halves(x1, x2, q_w_ptr, cos, sin, offs_h, eps, dt, HALF, HAS_NORM, FIX_BF16)
+    o1, o2 = round_to(o1, dt, FIX_BF16), round_to(o2, dt, FIX_BF16)  # as qk_norm_rope_store stores them
+    if write:
+        dst = q_out_ptr + ((seq * num_q_heads + q_head) * (2 * HALF))[:, None]
+        tl.store(dst + offs_h, o1, mask=mask)
+        tl.store(dst + HALF + offs_h, o2, mask=mask)
+    return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_M, 2 * HALF))  # [o1 | o2] along the head dim
+
+
+@triton.jit
+def store_kv_rows(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+    row_tile, kv_head, num_seqs, eps,
+    stride_kn, stride_kh_in, stride_vn, stride_vh_in, stride_cs,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, HAS_NORM: tl.constexpr,
+    FIX_BF16: tl.constexpr, FIX_K_CACHE: tl.constexpr, FIX_V_CACHE: tl.constexpr,
+):  # fmt: skip
+    """This step's K (normed, rotated) and V (a copy) of KV head kv_head into the caches, for
+    the sequences with a row in this row tile (a sequence whose rows straddle two tiles is
+    written by both, the same bits); a slot < 0 writes nothing. As qk_norm_rope_store does for
+    these heads. For the cascade's prefix kernel, whose rows are (sequence, query head) pairs
+    of one KV head (GROUP query heads a sequence), BLOCK_M a tile."""
+    seqs = (row_tile * BLOCK_M) // GROUP + tl.arange(0, BLOCK_M)
+    in_tile = (seqs < num_seqs) & (seqs * GROUP < (row_tile + 1) * BLOCK_M)
+    slot = tl.load(slot_ptr + seqs, mask=in_tile, other=-1).to(tl.int64)
+    offs_h = tl.arange(0, HALF)[None, :]
+    writes = in_tile & (slot >= 0)
+    mask = writes[:, None] & (offs_h < HALF)
+    seqs = seqs.to(tl.int64)
+    head = kv_head.to(tl.int64)
+    cos, sin = load_cos_sin_rows(cos_sin_ptr, pos_ptr, seqs, writes, mask, stride_cs, offs_h, HALF)
+    src = k_ptr + (seqs * stride_kn + head * stride_kh_in)[:, None]
+    block, offset = slot // PAGE, slot % PAGE
+    dst = k_cache_ptr + (block * stride_kb + offset * stride_ks + head * stride_kh)[:, None]
+    norm_rope_rows(src, dst, k_w_ptr, cos, sin, offs_h, mask, eps, HALF, HAS_NORM, FIX_BF16, FIX_K_CACHE)
+    src = v_ptr + (seqs * stride_vn + head * stride_vh_in)[:, None]
+    dst = v_cache_ptr + (block * stride_vb + offset * stride_vs + head * stride_vh)[:, None]
+    copy_rows(src, dst, offs_h, mask, HALF, FIX_V_CACHE)
 
 
 # ---- silu_and_mul ----

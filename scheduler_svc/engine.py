@@ -8,8 +8,8 @@ model sides see ids only.
 from __future__ import annotations
 
 import itertools
-import operator
 import logging
+import operator
 import time
 from array import array
 from collections import deque
@@ -124,11 +124,11 @@ class LLMEngine:
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         vocab = self.model_config.vocab_size
-        ids, packed = _checked_ids(prompt, vocab)
-        if packed is None:
+        checked = _checked_ids(prompt, vocab)
+        if checked is None:
             bad = [t for t in prompt if not _is_token(t, vocab)]
             raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[:5]}")
-        return ids, packed
+        return checked
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None, cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
@@ -324,9 +324,9 @@ def _is_token(t, vocab: int) -> bool:
         return False
 
 
-def _checked_ids(prompt: list | tuple, vocab: int) -> tuple[list, bytes | None]:
+def _checked_ids(prompt: list | tuple, vocab: int) -> tuple[list[int], bytes] | None:
     """The prompt's token ids as a list of Python ints and as int64 bytes, when every one is an
-    integer in [0, vocab); else (the ids as given, None). The check is C loops: the int64
+    integer in [0, vocab); else None. The check is C loops: the int64
     array conversion (which refuses anything without __index__: floats, strings, None) and
     numpy's min and max; the list comes back from the array, so integer types such as numpy's
     become plain ints. The bytes are what the prefix-cache lookup hashes (64 prompts of 1,056
@@ -334,10 +334,10 @@ def _checked_ids(prompt: list | tuple, vocab: int) -> tuple[list, bytes | None]:
     try:
         packed = array("q", prompt)
     except (TypeError, OverflowError):
-        return list(prompt), None
+        return None
     values = np.frombuffer(packed, dtype=np.int64)
     if values.min() < 0 or values.max() >= vocab:
-        return list(prompt), None
+        return None
     return packed.tolist(), packed.tobytes()
 
 

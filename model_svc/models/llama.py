@@ -100,29 +100,28 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # (N, Hq, D), contiguous (`out` when given)
         """The qkv projection's output -> q after the per-head norm and rotary, with the rotated
         k and v written into the cache at the slots (one launch; fused Triton ops only)."""
-        n = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q_w, k_w, eps = self._norm_args()
+        q, k, v = self._heads(qkv)
         k_cache, v_cache = kv_cache
-        return self.fused_qk_norm_rope_store(
-            q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
-            v.view(n, self.num_kv_heads, self.head_dim), rope.positions, rope.cos_sin_cache, q_w, k_w, eps,
-            k_cache, v_cache, slot_mapping, out=out,
-        )
+        return self.fused_qk_norm_rope_store(q, k, v, rope.positions, rope.cos_sin_cache, *self._norm_args(),
+                                             k_cache, v_cache, slot_mapping, out=out)
 
     def cascade_attend(self, qkv: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
         """Decode over a shared prefix: query_and_store's work and cascade attention in the
         cascade's two launches (kernels.triton_cascade.cascade_decode_attention_store)."""
-        n = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q_w, k_w, eps = self._norm_args()
-        step = self.cascade.StepKV(k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim),
-                                   rope.positions, rope.cos_sin_cache, q_w, k_w, eps, attn.slot_mapping)
+        q, k, v = self._heads(qkv)
+        step = self.cascade.StepKV(k, v, rope.positions, rope.cos_sin_cache, *self._norm_args(), attn.slot_mapping)
         k_cache, v_cache = kv_cache
         return self.cascade.cascade_decode_attention_store(
-            q.view(n, self.num_heads, self.head_dim), step, k_cache, v_cache, attn.block_tables, attn.seq_lens,
-            self.attn.scale, attn.prefix_blocks, attn.max_prefix_blocks,
+            q, step, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.attn.scale, attn.prefix_blocks,
+            attn.max_prefix_blocks,
         )
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views (N, Hq, D), (N, Hkv, D), (N, Hkv, D) of q, k and v in the qkv projection's output."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
+                v.view(n, self.num_kv_heads, self.head_dim))
 
     def _norm_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
         """(q norm weight, k norm weight, eps) for the fused kernels; (None, None, 0.0) without

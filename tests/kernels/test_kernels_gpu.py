@@ -12,12 +12,14 @@ from kernels.reference import paged_decode_attention_ref, paged_prefill_attentio
 from kernels.triton_ops import TRITON_OPS, store_kvcache
 from tests.kernels.test_kernels import assert_matches, make_paged_kv, make_query, needs_cuda, run_decode_case, run_prefill_case
 
+# (block size, head dim, (query heads, KV heads)) of production models
+PRODUCTION_SHAPES = [(16, 128, (32, 8)), (64, 128, (32, 8)), (8, 256, (16, 2)), (128, 80, (8, 8))]
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize(
-    "block_size,head_dim,heads", [(16, 128, (32, 8)), (64, 128, (32, 8)), (8, 256, (16, 2)), (128, 80, (8, 8))]
-)
+@pytest.mark.parametrize("block_size,head_dim,heads", PRODUCTION_SHAPES)
 def test_gpu_decode_production_shapes(dtype, block_size, head_dim, heads):
     run_decode_case(torch.device("cuda"), dtype, [1, 100, 1000, 4097, 2900], block_size, head_dim, heads)
 
@@ -25,9 +27,7 @@ def test_gpu_decode_production_shapes(dtype, block_size, head_dim, heads):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize(
-    "block_size,head_dim,heads", [(16, 128, (32, 8)), (64, 128, (32, 8)), (8, 256, (16, 2)), (128, 80, (8, 8))]
-)
+@pytest.mark.parametrize("block_size,head_dim,heads", PRODUCTION_SHAPES)
 def test_gpu_prefill_production_shapes(dtype, block_size, head_dim, heads):
     batch = ([700, 1, 300, 129], [1000, 50, 0, 3])
     run_prefill_case(torch.device("cuda"), dtype, batch, block_size, head_dim, heads)
