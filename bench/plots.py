@@ -33,6 +33,7 @@ HISTORY = [
     ("v16 split-K\no, down", 24854),
     ("v17 q/k norm\nby head groups", 25409),
     ("v18 cascade\nstore fused\n(path unchanged)", 24984),
+    ("v19 deferred\nnorms (path\nmostly as v18)", 25062),
 ]
 
 # (label, [(throughput on/off, TTFT p50 off/on) per run]) of bench/prefix.py, as bench/NOTES.md
@@ -46,6 +47,7 @@ PREFIX_HISTORY = [
     ("v16 split-K\n(medians\nof five)", [(2.93, 7.03), (2.93, 9.66)]),
     ("v17 q/k norm\nhead groups\n(medians)", [(2.82, 7.27)]),
     ("v18 store in\ncascade, GQA\nprefill (medians)", [(2.90, 7.21), (2.90, 8.34), (2.80, 6.92)]),
+    ("v19 deferred\nnorms\n(medians)", [(3.01, 8.27), (2.57, 6.63)]),
 ]
 
 

@@ -285,7 +285,8 @@ def main() -> None:
     if phase_rows:
         lines += ["", "(phase tables: PICOVLLM_PHASE_TIMES was set; wall time per phase of each process, see scheduler_svc/phase_times.py)", *phase_rows]
     if parity:
-        lines += ["", "Greedy parity, optimized vs plain path (first 32 tokens, 8 prompts):", *(f"- {r}" for r in parity)]
+        lines += ["", "Greedy parity, optimized vs plain path on the same weights (first 32 tokens; 8 prompts one at a time, "
+                  "then 48 stepped together; bench/parity.py):", *(f"- {r}" for r in parity)]
     print("\n".join(lines))
     if args.out:
         write_result(args.out, "Offline throughput (nano-vllm workload)", env, "\n".join(lines))

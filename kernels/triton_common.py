@@ -157,6 +157,17 @@ def round_to(x, dt: tl.constexpr, FIX_BF16: tl.constexpr):
 
 
 @triton.jit
+def row_rstd(sums_ptr, offs_m, m_mask, num_parts, hidden, eps, PARTS: tl.constexpr):
+    """RMSNorm's 1 / sqrt(mean(x^2) + eps) of rows offs_m, from their sums of squares in
+    num_parts parts (row-major (rows, num_parts) fp32, PARTS >= num_parts a power of two):
+    the deferred norm's scale (kernels.triton_splitk)."""
+    offs_p = tl.arange(0, PARTS)
+    sums = tl.load(sums_ptr + offs_m[:, None] * num_parts + offs_p[None, :],
+                   mask=m_mask[:, None] & (offs_p < num_parts)[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(sums, axis=1) / hidden + eps)
+
+
+@triton.jit
 def mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """a @ b with an fp32 result."""
     if UPCAST:

@@ -38,9 +38,10 @@ from kernels.triton_common import (
     pdl_launch,
     pdl_prologue,
     round_to,
+    row_rstd,
     upcast_dot,
 )
-from kernels.triton_splitk import splitk_linear, use_splitk_linear  # noqa: F401  (the module is the model's entry point)
+from kernels.triton_splitk import SPLITK_ROWS, splitk_add_residual, splitk_linear, use_splitk_linear  # noqa: F401  (the module is the model's entry point)
 
 GEMV_MAX_ROWS = 4
 GEMV_WARPS = 8
@@ -112,8 +113,8 @@ def _gemv_kernel(
                 h = _norm_input(x_row, res_ptr + r * stride_rm + k, xm, HAS_RESIDUAL, dt, FIX_BF16)
                 if HAS_RESIDUAL:
                     tl.store(new_res_ptr + r * stride_nrm + k, h.to(dt), mask=xm & (pid == 0))
-                row_rstd = tl.sum(tl.where(offs_m == r, rstd, 0.0), axis=0)
-                normed = round_to(h * row_rstd, dt, FIX_BF16).to(tl.float32)
+                this_rstd = tl.sum(tl.where(offs_m == r, rstd, 0.0), axis=0)
+                normed = round_to(h * this_rstd, dt, FIX_BF16).to(tl.float32)
                 x = round_to(tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32) * normed, dt, FIX_BF16).to(tl.float32)
             else:
                 x = tl.load(x_row, mask=xm, other=0.0).to(tl.float32)  # (BLOCK_K,)
@@ -229,8 +230,9 @@ SILU_MUL_LINEAR_ROWS = (33, 64)  # the row counts it takes (see use_silu_mul_lin
 
 @triton.jit(do_not_specialize=["M"])
 def _silu_mul_linear_kernel(
-    x_ptr, w_ptr, out_ptr, M, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, out_ptr, sums_ptr, M, stride_xm, stride_wn, stride_om, num_sums, eps,
     INTER: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROW_SCALE: tl.constexpr, SUMS_PARTS: tl.constexpr,
     FIX_BF16: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -238,7 +240,8 @@ def _silu_mul_linear_kernel(
     gate rows and the up rows of those columns (W is [gate | up], (2 INTER, K)): two tensor-core
     products over the same input tiles, then silu(gate) * up, each value rounded where the
     separate kernels round it (gate and up as the projection's output, the SiLU, the
-    product)."""
+    product). ROW_SCALE: the rows' RMSNorm factors scale both products first (the deferred
+    norm, see kernels.triton_splitk.splitk_linear)."""
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -248,6 +251,8 @@ def _silu_mul_linear_kernel(
     n_mask = offs_n < INTER
     gate_rows = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
     up_rows = gate_rows + INTER * stride_wn
+    if ROW_SCALE:  # loaded before the K loop, which hides the load
+        rstd = row_rstd(sums_ptr, offs_m, m_mask, num_sums, K, eps, SUMS_PARTS)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # Whole tiles (Qwen3-0.6B: K 1,024, I 3,072) load without masks, which the pipeliner needs
@@ -267,6 +272,9 @@ def _silu_mul_linear_kernel(
             up = tl.load(up_rows + k[:, None], mask=w_mask, other=0.0)
         acc_gate = tl.dot(x, gate, acc_gate) if not UPCAST else acc_gate + mma(x, gate, PRECISION, UPCAST)
         acc_up = tl.dot(x, up, acc_up) if not UPCAST else acc_up + mma(x, up, PRECISION, UPCAST)
+    if ROW_SCALE:
+        acc_gate *= rstd[:, None]
+        acc_up *= rstd[:, None]
     dt = out_ptr.dtype.element_ty
     gate = round_to(acc_gate, dt, FIX_BF16).to(tl.float32)
     up = round_to(acc_up, dt, FIX_BF16).to(tl.float32)
@@ -278,6 +286,8 @@ def _silu_mul_linear_kernel(
 def silu_mul_linear(
     x: torch.Tensor,  # (M, K), M <= 64
     weight: torch.Tensor,  # (2I, K): the gate rows, then the up rows
+    row_sums: torch.Tensor | None = None,  # (M, P) fp32: the deferred norm's sums (see splitk_linear)
+    eps: float = 0.0,
 ) -> torch.Tensor:  # (M, I), dtype of x
     """SiluAndMul(x @ W^T) in one launch: the MLP's gate|up projection and its activation,
     without the (M, 2I) intermediate. Tiles: 64 rows, 32 activation columns (64 weight rows:
@@ -291,11 +301,16 @@ def silu_mul_linear(
     out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    if row_sums is not None:
+        assert row_sums.shape[0] == m and row_sums.dtype == torch.float32 and row_sums.is_contiguous(), row_sums.shape
+    num_sums = row_sums.shape[1] if row_sums is not None else 1
     interp = interpreting()
     block_n, block_k = (16, 32) if interp else (32, 128)
     _silu_mul_linear_kernel[(cdiv(inter, block_n),)](
-        x, weight, out, m, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, out, row_sums if row_sums is not None else out, m, x.stride(0), weight.stride(0), out.stride(0),
+        num_sums, eps,
         INTER=inter, K=k, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        ROW_SCALE=row_sums is not None, SUMS_PARTS=next_pow2(num_sums),
         FIX_BF16=fix_bf16_rounding(x.dtype), PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.dtype),
         **pdl_launch(x.device),
         num_warps=4, num_stages=1 if interp else 5,
@@ -316,4 +331,16 @@ def use_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
         and weight.shape[0] % 2 == 0
+    )
+
+
+def use_deferred_norms(x: torch.Tensor) -> bool:
+    """Whether a decoder layer's rows take the deferred norms (splitk_linear's row_sums,
+    splitk_add_residual, silu_mul_linear's row_sums): 16-bit rows, as many as both split-K and
+    the fused gate|up take."""
+    n = x.shape[0] if x.dim() == 2 else 0
+    return (
+        max(SPLITK_ROWS[0], SILU_MUL_LINEAR_ROWS[0]) <= n <= min(SPLITK_ROWS[1], SILU_MUL_LINEAR_ROWS[1])
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.is_contiguous()
     )

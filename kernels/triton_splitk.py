@@ -19,6 +19,8 @@ runs).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +35,7 @@ from kernels.triton_common import (
     pdl_launch,
     pdl_prologue,
     round_to,
+    row_rstd,
     upcast_dot,
 )
 from kernels.triton_decode import arrival_counters
@@ -48,20 +51,34 @@ def _workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M: tl.con
 
 
 @triton.jit
-def _store_tile(total, b_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS: tl.constexpr,
-                FIX_BF16: tl.constexpr):
-    """An output tile's fp32 sums (+ bias), rounded once, stored."""
+def _store_tile(total, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles,
+                offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS: tl.constexpr,
+                ROW_SCALE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, FIX_BF16: tl.constexpr):
+    """An output tile's fp32 sums, scaled by its rows' RMSNorm factors rstd (ROW_SCALE), + bias,
+    rounded once, stored; with ADD_RESIDUAL added to resid (out's tile as it was, the residual;
+    rounded as the fused norm's residual add rounds) and the new rows' sums of squares over the
+    tile's columns stored as part pid_n of each row."""
+    if ROW_SCALE:
+        total *= rstd[:, None]
     if HAS_BIAS:
         total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = round_to(total, out_ptr.dtype.element_ty, FIX_BF16)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
+    dt = out_ptr.dtype.element_ty
+    out = round_to(total, dt, FIX_BF16)
+    ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ADD_RESIDUAL:
+        out = round_to(out.to(tl.float32) + resid.to(tl.float32), dt, FIX_BF16)
+        h = tl.where(mask, out.to(tl.float32), 0.0)
+        tl.store(sums_out_ptr + offs_m * num_tiles + pid_n, tl.sum(h * h, axis=1), mask=m_mask)
+    tl.store(ptrs, out, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _splitk_linear_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, tickets_ptr,
-    M, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, tickets_ptr, sums_in_ptr, sums_out_ptr,
+    M, stride_xm, stride_wn, stride_om, num_sums_in, eps,
     N: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr, K_SLICE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROW_SCALE: tl.constexpr, SUMS_PARTS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FIX_BF16: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PDL: tl.constexpr,
@@ -79,6 +96,14 @@ def _splitk_linear_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn  # W^T tiles: (BLOCK_K, BLOCK_N)
+    if ROW_SCALE:  # loaded before the K loop, which hides the load
+        rstd = row_rstd(sums_in_ptr, offs_m, m_mask, num_sums_in, K, eps, SUMS_PARTS)
+    else:
+        rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if ADD_RESIDUAL:  # likewise; only this tile's last program writes the tile, after its loads
+        resid = tl.load(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+    else:
+        resid = tl.zeros((BLOCK_M, BLOCK_N), out_ptr.dtype.element_ty)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # Whole tiles (Qwen3-0.6B's o and down) load without masks, which the pipeliner needs to
     # keep several weight tiles in flight.
@@ -95,7 +120,8 @@ def _splitk_linear_kernel(
             w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(x, w, acc) if not UPCAST else acc + mma(x, w, PRECISION, UPCAST)
     if SPLIT == 1:
-        _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS, FIX_BF16)
+        _store_tile(acc, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles,
+                    offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS, ROW_SCALE, ADD_RESIDUAL, FIX_BF16)
     else:
         tl.store(_workspace_tile(ws_ptr, pid_s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N), acc)
         tl.debug_barrier()  # every thread's partials are written before the ticket (a release) is taken
@@ -106,15 +132,30 @@ def _splitk_linear_kernel(
             for s in tl.static_range(SPLIT):  # in slice order, whoever arrives last
                 total += tl.load(_workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N),
                                  cache_modifier=".cg")
-            _store_tile(total, b_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS, FIX_BF16)
+            _store_tile(total, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles,
+                        offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS, ROW_SCALE, ADD_RESIDUAL, FIX_BF16)
 
 
-def splitk_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, SPLIT, BLOCK_K) on the GPU: 32-column tiles, K in 4 slices (Qwen3-0.6B's
-    1,024 outputs: 128 programs), 128-deep steps. Best of 40 tilings on the H200 at 64 rows,
-    weights from HBM: o_proj 5.58 us (cuBLAS 5.84), down_proj 6.22 (cuBLAS 8.00); six or
-    eight slices, or 64-column tiles, were slower."""
-    return 32, max(1, min(4, k // 256)), 128
+class SplitKConfig(NamedTuple):
+    block_n: int  # output columns a tile
+    split: int  # K slices
+    block_k: int  # K a step
+    num_stages: int
+    num_warps: int
+
+
+def splitk_config(m: int, n: int, k: int) -> SplitKConfig:
+    """On the GPU, outputs narrower than the input (o_proj, down_proj): 32-column tiles, K in 4
+    slices (Qwen3-0.6B's 1,024 outputs: 128 programs), 128-deep steps. Best of 40 tilings on
+    the H200 at 64 rows, weights from HBM: o_proj 5.58 us (cuBLAS 5.84), down_proj 6.22
+    (cuBLAS 8.00); six or eight slices, or 64-column tiles, were slower. Wider outputs (q|k|v
+    with the deferred norm): one slice, 32-column tiles, 256-deep steps, four stages: 5.55 us
+    at Qwen3-0.6B's 4,096 x 1,024, cuBLAS 5.50 (and 7.23 with the RMSNorm launch before it);
+    best of 34 tilings (64-column tiles, 64- or 128-deep steps, 3-5 stages, 8 warps: 5.58 to
+    6.3 us), two or four slices 7.3 / 10.1 us."""
+    if n >= k:
+        return SplitKConfig(32, 1, 256, 4, 4)
+    return SplitKConfig(32, max(1, min(4, k // 256)), 128, 4, 4)
 
 
 def splitk_linear(
@@ -123,35 +164,76 @@ def splitk_linear(
     bias: torch.Tensor | None = None,  # (N,)
     split: int | None = None,  # K slices (default: splitk_config's)
     block_n: int | None = None,
+    row_sums: torch.Tensor | None = None,  # (M, P) fp32: x's rows' sums of squares in P parts
+    eps: float = 0.0,
 ) -> torch.Tensor:  # (M, N), dtype of x
-    """x @ W^T (+ bias) for up to 64 16-bit rows, in one launch of output tiles x K slices."""
+    """x @ W^T (+ bias) for up to 64 16-bit rows, in one launch of output tiles x K slices.
+
+    With row_sums, x is the residual stream before an RMSNorm whose weight is folded into W
+    (model_svc.models.llama.LlamaModel.fold_norm_weights): the product's rows are scaled by
+    1 / sqrt(sum(row_sums) / K + eps) before the bias, so the result is the projection of the
+    normalised rows without a launch for the norm (the deferred norm)."""
+    m, n = x.shape[0], weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, split, block_n, row_sums, eps, None)
+    return out
+
+
+def splitk_add_residual(
+    x: torch.Tensor,  # (M, K), M <= 64
+    weight: torch.Tensor,  # (N, K)
+    residual: torch.Tensor,  # (M, N), dtype of x, unit stride along N: updated in place
+    bias: torch.Tensor | None = None,
+    split: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:  # (M, tiles) fp32
+    """residual += x @ W^T (+ bias), in place, each value rounded as the projection's output
+    and then as the fused norm's residual add (kernels.triton_fused.rms_norm). Returns the new
+    residual rows' sums of squares, one part per output tile: the row_sums of the next
+    projection, which then normalises in its epilogue instead of a norm launch in between."""
+    m, n = x.shape[0], weight.shape[0]
+    assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(-1) == 1, (residual.shape, residual.dtype)
+    sums = torch.empty((m, cdiv(n, _tiling(m, n, x.shape[1], split, block_n)[0].block_n)), dtype=torch.float32, device=x.device)
+    _launch(x, weight, bias, residual, split, block_n, None, 0.0, sums)
+    return sums
+
+
+def _tiling(m: int, n: int, k: int, split: int | None, block_n: int | None) -> tuple[SplitKConfig, int]:
+    """The launch's config (block_n and split as given, else splitk_config's; split then the
+    slices there are) and its K_SLICE."""
+    cfg = splitk_config(m, n, k)
+    if interpreting():  # programs run one after another there: small tiles, the same math
+        cfg = cfg._replace(block_n=16, block_k=32, num_stages=1)
+    k_slice = cdiv(cdiv(k, split or cfg.split), cfg.block_k) * cfg.block_k
+    return cfg._replace(block_n=block_n or cfg.block_n, split=cdiv(k, k_slice)), k_slice
+
+
+def _launch(x, weight, bias, out, split, block_n, row_sums, eps, sums_out) -> None:
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1, (x.shape, weight.shape)
     assert m <= 64, m
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if row_sums is not None:
+        assert row_sums.shape[0] == m and row_sums.dtype == torch.float32 and row_sums.is_contiguous(), row_sums.shape
     if m == 0:
-        return out
-    cfg_n, cfg_split, block_k = splitk_config(m, n, k)
-    if interpreting():  # programs run one after another there: small tiles, the same math
-        cfg_n, block_k = 16, 32
-    block_n = block_n or cfg_n
-    split = split or cfg_split
-    k_slice = cdiv(cdiv(k, split), block_k) * block_k
-    split = cdiv(k, k_slice)
+        return
+    cfg, k_slice = _tiling(m, n, k, split, block_n)
+    block_n, split = cfg.block_n, cfg.split
     tiles = cdiv(n, block_n)
     block_m = max(16, next_pow2(m))
     workspace = torch.empty((split, tiles, block_m, block_n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    num_sums_in = row_sums.shape[1] if row_sums is not None else 1
     _splitk_linear_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, out, workspace, arrival_counters(x.device, tiles),
-        m, x.stride(0), weight.stride(0), out.stride(0),
+        row_sums if row_sums is not None else workspace, sums_out if sums_out is not None else workspace,
+        m, x.stride(0), weight.stride(0), out.stride(0), num_sums_in, eps,
         N=n, K=k, SPLIT=split, K_SLICE=k_slice, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        ROW_SCALE=row_sums is not None, SUMS_PARTS=next_pow2(num_sums_in), ADD_RESIDUAL=sums_out is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         FIX_BF16=fix_bf16_rounding(x.dtype), PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.dtype),
         **pdl_launch(x.device),
-        num_warps=4, num_stages=1 if interpreting() else 4,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out
 
 
 def use_splitk_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:

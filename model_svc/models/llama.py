@@ -26,6 +26,7 @@ from model_svc.layers import (
     SiluAndMul,
     apply_rotary,
     fused_kernels,
+    gemv_kernels,
     triton_module,
 )
 
@@ -79,6 +80,12 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache | None,
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # (N, hidden)
+        return self.o_proj(self.attention(qkv, rope, kv_cache, attn).reshape(qkv.shape[0], self.q_size))
+
+    def attention(
+        self, qkv: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache | None, attn: AttentionMetadata
+    ) -> torch.Tensor:  # (N, Hq, D)
+        """attend() without the o projection."""
         n = qkv.shape[0]
         if self.cascade is not None and attn.is_decode and attn.prefix_blocks is not None and self.attn.has_cache(kv_cache):
             o = self.cascade_attend(qkv, rope, kv_cache, attn)  # (N, Hq, D)
@@ -92,7 +99,7 @@ class LlamaAttention(nn.Module):
             v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()  # (N, Hkv, D)
             q, k = self._norm_rope(q, k, rope)  # contiguous (N, Hq, D), (N, Hkv, D)
             o = self.attn(q, k, v, kv_cache, attn)  # (N, Hq, D)
-        return self.o_proj(o.reshape(n, self.q_size))
+        return o
 
     def query_and_store(
         self, qkv: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache, slot_mapping: torch.Tensor,
@@ -188,6 +195,32 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def forward_deferred(
+        self,
+        h: torch.Tensor,  # (N, hidden): the residual stream, everything added (before layer 0: the embedding)
+        sums: torch.Tensor | None,  # (N, P) fp32: its rows' sums of squares in parts; None before layer 0
+        rope: RotaryInputs,
+        kv_cache: KVCache | None,
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (the stream, its sums): h is updated in place
+        """forward() for decode batches of tens of rows, the norms' weights folded into the
+        projections (LlamaModel.fold_norm_weights): no launch for either norm. o_proj and
+        down_proj add to the residual stream in their epilogue and leave its rows' sums of
+        squares; q|k|v and gate|up scale their rows by the norm's factor from those sums
+        (kernels.triton_splitk). Only layer 0's input norm runs as a kernel."""
+        attention, mlp = self.self_attn, self.mlp
+        qkv_proj, gemv_ops = attention.qkv_proj, attention.qkv_proj.gemv_ops
+        if sums is None:
+            x, h = self.input_layernorm(h, None)  # the new residual is h itself
+            qkv = qkv_proj(x)
+        else:
+            qkv = gemv_ops.splitk_linear(h, qkv_proj.weight, qkv_proj.bias, row_sums=sums, eps=self.input_layernorm.eps)
+        o = attention.attention(qkv, rope, kv_cache, attn)
+        o_proj, down_proj = attention.o_proj, mlp.down_proj
+        sums = gemv_ops.splitk_add_residual(o.reshape(h.shape[0], -1), o_proj.weight, h, o_proj.bias)
+        act = gemv_ops.silu_mul_linear(h, mlp.gate_up_proj.weight, row_sums=sums, eps=self.post_attention_layernorm.eps)
+        return h, gemv_ops.splitk_add_residual(act, down_proj.weight, h, down_proj.bias)
+
     # The layer in two halves around its attention (model_svc.prefill_graphs replays each half
     # from a CUDA graph): together they are forward() on the fused Triton path with a cache.
     def before_attention(
@@ -227,6 +260,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.fused = fused_kernels(ops) is not None
+        self.gemv_ops = gemv_kernels(ops)
+        self.norms_folded = False  # fold_norm_weights() ran: decode batches of tens of rows defer the norms
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -240,11 +275,43 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # (N, hidden)
         x = self.embed_tokens(input_ids)  # (N, hidden)
         rope = self.rotary_emb.inputs(positions, gather=not self.fused)  # shared by all layers
+        if self.defers_norms(x):
+            sums = None
+            for i, layer in enumerate(self.layers):
+                x, sums = layer.forward_deferred(x, sums, rope, kv_caches[i] if kv_caches is not None else None, attn)
+            return self.norm(x, None)[0]
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, kv_caches[i] if kv_caches is not None else None, attn)
         x, _ = self.norm(x, residual)
         return x
+
+
+    def defers_norms(self, x: torch.Tensor) -> bool:
+        """Whether this batch takes LlamaDecoderLayer.forward_deferred."""
+        return self.norms_folded and self.gemv_ops is not None and self.gemv_ops.use_deferred_norms(x)
+
+    @torch.no_grad()
+    def fold_norm_weights(self, force: bool = False) -> bool:
+        """Fold each layer's RMSNorm weights into the projection that reads the norm's output
+        (input norm -> q|k|v, post-attention norm -> gate|up: W[:, j] *= w[j]) and set the
+        norms' weights to one. The model computes the same function, the weights rounded once
+        more; the deferred norms need it. Only on the Triton ops with 16-bit weights, where
+        that path runs (and without an MLP bias, which the fused gate|up lacks), unless forced
+        (a reference model that should hold the same weights as a folded one); returns whether
+        the weights are folded."""
+        layer = self.layers[0]
+        if self.norms_folded:
+            return True
+        if not force and (self.gemv_ops is None or layer.mlp.gate_up_proj.bias is not None
+                          or layer.input_layernorm.weight.dtype not in (torch.bfloat16, torch.float16)):
+            return False
+        for layer in self.layers:
+            for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj), (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+                proj.weight.copy_(proj.weight.float() * norm.weight.float()[None, :])
+                norm.weight.fill_(1.0)
+        self.norms_folded = True
+        return True
 
 
 class LlamaForCausalLM(nn.Module):
@@ -287,6 +354,9 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # (N, hidden)
         return self.model(input_ids, positions, kv_caches, attn)
+
+    def fold_norm_weights(self, force: bool = False) -> bool:
+        return self.model.fold_norm_weights(force)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (M, hidden) -> (M, vocab) fp32
         """Logits in fp32 from the 16-bit product's fp32 accumulator, never rounded to bf16.

@@ -275,6 +275,11 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
     triton_ops = dataclasses.replace(triton_ops, store_kvcache=counting(triton_ops.store_kvcache, "store_kvcache"))
     models = {name: build_random_model(config, dtype, device, seed=3, ops=ops, std=0.1)
               for name, ops in (("torch", REFERENCE_OPS), ("triton", triton_ops))}
+    # The same weights: a 16-bit model on the Triton ops folds its norm weights into the
+    # projections at load (for the deferred norms), the torch one is given them folded too.
+    assert models["triton"].model.norms_folded == (dtype != torch.float32)
+    if models["triton"].model.norms_folded:
+        models["torch"].fold_norm_weights(force=True)
     assert models["triton"].model.layers[0].self_attn.fused_qk_norm_rope_store is not None
     assert models["torch"].model.layers[0].self_attn.fused_qk_norm_rope_store is None
     sims = {name: PagedSim(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,

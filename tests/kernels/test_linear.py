@@ -123,6 +123,22 @@ def test_silu_mul_linear_is_linear_then_silu_and_mul(device, dtype, m, inter, k)
     assert silu_mul_linear(x[:0], w).shape == (0, inter)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,inter,k,parts", [(64, 48, 64, 2), (33, 40, 80, 5)])
+def test_silu_mul_linear_with_row_sums(device, dtype, m, inter, k, parts):
+    """The deferred norm: with the input rows' sums of squares, gate and up are scaled by each
+    row's RMSNorm factor before they are rounded (the norm's weight folded into W)."""
+    gen = torch.Generator().manual_seed(m + inter + k + parts)
+    x = (2 * torch.randn((m, k), generator=gen)).to(device, dtype)
+    w = (torch.randn((2 * inter, k), generator=gen) / k**0.5).to(device, dtype)
+    eps = 1e-6
+    sums = torch.stack([piece.float().square().sum(1) for piece in x.tensor_split(parts, dim=1)], 1).contiguous()
+    rstd = torch.rsqrt(x.float().square().mean(1) + eps)
+    gate_up = ((x.float() @ w.float().t()) * rstd[:, None]).to(dtype)
+    out = silu_mul_linear(x, w, row_sums=sums, eps=eps)
+    check(out, silu_and_mul_ref(gate_up), ulps=2)
+
+
 def test_silu_mul_linear_dispatch():
     w = torch.zeros((6144, 1024), dtype=torch.bfloat16)
     rows = lambda m, dtype=torch.bfloat16: torch.zeros((m, 1024), dtype=dtype)  # noqa: E731

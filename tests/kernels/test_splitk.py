@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.triton_decode import arrival_counters
-from kernels.triton_splitk import splitk_config, splitk_linear, use_splitk_linear
+from kernels.reference import rms_norm_ref
+from kernels.triton_splitk import splitk_add_residual, splitk_config, splitk_linear, use_splitk_linear
 from tests.kernels.test_linear import DTYPES, check
 
 
@@ -55,5 +56,57 @@ def test_splitk_dispatch_and_config():
     assert not use_splitk_linear(rows(32, 2048), o) and not use_splitk_linear(rows(65, 2048), o)
     assert not use_splitk_linear(rows(64, 1024), qkv)  # a wide output has tiles enough: cuBLAS
     assert not use_splitk_linear(rows(64, 2048, torch.float32), o.float())  # fp32 keeps the exact path
-    assert splitk_config(64, 1024, 2048) == (32, 4, 128) and splitk_config(64, 1024, 3072) == (32, 4, 128)
-    assert splitk_config(64, 64, 172)[1] == 1  # a short K is not split
+    assert splitk_config(64, 1024, 2048)[:3] == (32, 4, 128) and splitk_config(64, 1024, 3072)[:3] == (32, 4, 128)
+    assert splitk_config(64, 64, 172).split == 1  # a short K is not split
+    assert splitk_config(64, 4096, 1024).split == 1  # a wide output (q|k|v, deferred norm): tiles enough
+
+
+def _sums_by_tile(h: torch.Tensor, block_n: int) -> torch.Tensor:
+    """Each row's sum of squares over every block_n columns, fp32: (M, tiles)."""
+    m, n = h.shape
+    padded = torch.zeros((m, -(-n // block_n) * block_n), dtype=torch.float32, device=h.device)
+    padded[:, :n] = h.float()
+    return padded.square().view(m, -1, block_n).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,n,k,split,bias", [(64, 48, 256, 4, False), (40, 33, 200, 3, True), (5, 24, 64, 1, False)])
+def test_splitk_add_residual(device, dtype, m, n, k, split, bias):
+    """residual += x @ W^T (+ bias): the product rounded, then the add rounded (as the fused
+    norm's residual add); the returned sums of squares are the new rows' over each output
+    tile's columns, and add up to the rows' sums."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn((m, k), generator=gen).to(device, dtype)
+    w = (torch.randn((n, k), generator=gen) / k**0.5).to(device, dtype)
+    b = torch.randn((n,), generator=gen).to(device, dtype) if bias else None
+    residual = torch.randn((m, n), generator=gen).to(device, dtype)
+    before = residual.clone()
+    sums = splitk_add_residual(x, w, residual, b, split=split, block_n=16)
+    proj = splitk_linear(x, w, b, split=split, block_n=16)
+    assert torch.equal(residual, (proj.float() + before.float()).to(dtype))  # the same product, then the add
+    check(proj, F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype))
+    torch.testing.assert_close(sums, _sums_by_tile(residual, 16), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sums.sum(1), residual.float().square().sum(1), rtol=1e-5, atol=1e-5)
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,n,k,split,parts", [(64, 80, 64, 1, 4), (40, 48, 96, 2, 3), (33, 16, 128, None, 8)])
+def test_splitk_row_sums_normalise_in_the_epilogue(device, dtype, m, n, k, split, parts):
+    """With row_sums the product is of the RMSNorm'd rows (the norm's weight folded into W):
+    x @ W'^T times each row's 1 / sqrt(mean(x^2) + eps), rounded once; against the classic
+    norm-then-project path only the roundings differ."""
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = (3 * torch.randn((m, k), generator=gen)).to(device, dtype)
+    norm_w = (1 + 0.1 * torch.randn((k,), generator=gen)).to(device, dtype)
+    w = (torch.randn((n, k), generator=gen) / k**0.5).to(device, dtype)
+    folded = (w.float() * norm_w.float()).to(dtype)
+    eps = 1e-6
+    # The sums in `parts` uneven pieces, as a producer's tiles would leave them.
+    cuts = torch.linspace(0, k, parts + 1).round().long().tolist()
+    sums = torch.stack([x[:, a:b].float().square().sum(1) for a, b in zip(cuts, cuts[1:])], 1).contiguous()
+    rstd = torch.rsqrt(x.float().square().mean(1) + eps)
+    out = splitk_linear(x, folded, split=split, row_sums=sums, eps=eps)
+    check(out, ((x.float() @ folded.float().t()) * rstd[:, None]).to(dtype))
+    classic = F.linear(rms_norm_ref(x, norm_w, eps)[0].float(), w.float()).to(dtype)
+    torch.testing.assert_close(out.float(), classic.float(), rtol=0.03, atol=0.03)
