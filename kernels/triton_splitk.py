@@ -11,6 +11,13 @@ rounds once and stores the tile, then puts the ticket counter back to zero for t
 launch. One launch, no memset, no second kernel. The tickets are the decode kernel's arrival
 counters (kernels.triton_decode.arrival_counters): every launch of either leaves them at zero.
 
+The same kernel carries a decoder layer's deferred norms (model_svc.models.llama,
+LlamaDecoderLayer.forward_deferred): `splitk_add_residual` adds o_proj's or down_proj's output
+to the residual stream in its epilogue and leaves the new rows' sums of squares, one part per
+output tile; `splitk_linear(..., row_sums=...)` (q|k|v, in one slice: a wide output has tiles
+enough) scales its rows by the RMSNorm factor those sums give, the norm's weight folded into
+W. A layer then launches no norm.
+
 Contract: `splitk_linear(x, weight, bias)` equals `torch.nn.functional.linear(x, weight,
 bias)` up to the order of the fp32 sum (one rounding at the end), for up to 64 rows.
 Launches that share a device's counters must not run concurrently (one stream, as the model
