@@ -30,7 +30,6 @@ def greedy_with_gaps(runner, prompts: list[list[int]], max_tokens: int, batched:
     from model_svc.step import SeqStep, StepInput
     from scheduler_svc import SamplingParams
 
-    bs = runner.block_size
     results = []
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     gaps_hook = {}
@@ -46,11 +45,8 @@ def greedy_with_gaps(runner, prompts: list[list[int]], max_tokens: int, batched:
     try:
         if batched:
             return _greedy_batched(runner, prompts, max_tokens, params, gaps_hook)
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, table) in enumerate(zip(prompts, _tables(prompts, max_tokens, runner.block_size))):
             seq_id, tokens, gaps = f"p{i}", list(prompt), []
-            n_blocks = -(-(len(prompt) + max_tokens) // bs)
-            table = list(range(i * n_blocks, (i + 1) * n_blocks))
-            random.Random(i).shuffle(table)
             step = SeqStep(seq_id, list(prompt), 0, True, 0, table, params, list(prompt))
             for _ in range(max_tokens):
                 out = runner.step(StepInput(seqs=[step]))
@@ -66,13 +62,14 @@ def greedy_with_gaps(runner, prompts: list[list[int]], max_tokens: int, batched:
 
 
 def _tables(prompts: list[list[int]], max_tokens: int, block_size: int) -> list[list[int]]:
-    """Each prompt's own shuffled blocks."""
-    tables = []
+    """Each prompt's own blocks (room for the prompt and max_tokens), shuffled."""
+    tables, first = [], 0
     for i, prompt in enumerate(prompts):
         n_blocks = -(-(len(prompt) + max_tokens) // block_size)
-        table = list(range(sum(len(t) for t in tables), sum(len(t) for t in tables) + n_blocks))
+        table = list(range(first, first + n_blocks))
         random.Random(i).shuffle(table)
         tables.append(table)
+        first += n_blocks
     return tables
 
 
@@ -118,10 +115,10 @@ def check_parity(model: str, device: str, dtype: str | None, near_tie: float, nu
 
 def _compare(model, device, dtype, prompts, max_tokens, near_tie, batched: bool) -> list[str]:
     """The optimized runner's greedy tokens against the plain one's, a line per prompt."""
-    blocks = len(prompts) * max(-(-(len(p) + max_tokens) // 16) for p in prompts) + 16  # covers both tablings
+    blocks = sum(-(-(len(p) + max_tokens) // 16) for p in prompts) + 16  # _tables' blocks
     _, fast = build_runner(model, device, dtype, num_device_blocks=blocks, max_num_seqs=max(8, len(prompts) if batched else 8))
     got = greedy_with_gaps(fast, prompts, max_tokens, batched)
-    folded = getattr(fast.model, "model", None) is not None and getattr(fast.model.model, "norms_folded", False)
+    folded = fast.model.model.norms_folded
     del fast
     _, plain = build_runner(model, device, dtype, num_device_blocks=blocks, kernel_backend="torch", enforce_eager=True)
     if folded:  # the same weights as the optimized model holds (its norm weights folded into q|k|v, gate|up)

@@ -180,9 +180,8 @@ def splitk_linear(
     (model_svc.models.llama.LlamaModel.fold_norm_weights): the product's rows are scaled by
     1 / sqrt(sum(row_sums) / K + eps) before the bias, so the result is the projection of the
     normalised rows without a launch for the norm (the deferred norm)."""
-    m, n = x.shape[0], weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, out, split, block_n, row_sums, eps, None)
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, split, block_n, row_sums, eps)
     return out
 
 
@@ -198,11 +197,9 @@ def splitk_add_residual(
     and then as the fused norm's residual add (kernels.triton_fused.rms_norm). Returns the new
     residual rows' sums of squares, one part per output tile: the row_sums of the next
     projection, which then normalises in its epilogue instead of a norm launch in between."""
-    m, n = x.shape[0], weight.shape[0]
-    assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(-1) == 1, (residual.shape, residual.dtype)
-    sums = torch.empty((m, cdiv(n, _tiling(m, n, x.shape[1], split, block_n)[0].block_n)), dtype=torch.float32, device=x.device)
-    _launch(x, weight, bias, residual, split, block_n, None, 0.0, sums)
-    return sums
+    assert residual.shape == (x.shape[0], weight.shape[0]) and residual.dtype == x.dtype and residual.stride(-1) == 1, (
+        residual.shape, residual.dtype)
+    return _launch(x, weight, bias, residual, split, block_n, None, 0.0, add_residual=True)
 
 
 def _tiling(m: int, n: int, k: int, split: int | None, block_n: int | None) -> tuple[SplitKConfig, int]:
@@ -215,18 +212,21 @@ def _tiling(m: int, n: int, k: int, split: int | None, block_n: int | None) -> t
     return cfg._replace(block_n=block_n or cfg.block_n, split=cdiv(k, k_slice)), k_slice
 
 
-def _launch(x, weight, bias, out, split, block_n, row_sums, eps, sums_out) -> None:
+def _launch(x, weight, bias, out, split, block_n, row_sums, eps, add_residual: bool = False) -> torch.Tensor | None:
+    """One launch into out (with add_residual: added to it); returns the new rows' sums of
+    squares (M, tiles) with add_residual, else None."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1, (x.shape, weight.shape)
     assert m <= 64, m
     if row_sums is not None:
         assert row_sums.shape[0] == m and row_sums.dtype == torch.float32 and row_sums.is_contiguous(), row_sums.shape
-    if m == 0:
-        return
     cfg, k_slice = _tiling(m, n, k, split, block_n)
     block_n, split = cfg.block_n, cfg.split
     tiles = cdiv(n, block_n)
+    sums_out = torch.empty((m, tiles), dtype=torch.float32, device=x.device) if add_residual else None
+    if m == 0:
+        return sums_out
     block_m = max(16, next_pow2(m))
     workspace = torch.empty((split, tiles, block_m, block_n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     num_sums_in = row_sums.shape[1] if row_sums is not None else 1
@@ -235,12 +235,13 @@ def _launch(x, weight, bias, out, split, block_n, row_sums, eps, sums_out) -> No
         row_sums if row_sums is not None else workspace, sums_out if sums_out is not None else workspace,
         m, x.stride(0), weight.stride(0), out.stride(0), num_sums_in, eps,
         N=n, K=k, SPLIT=split, K_SLICE=k_slice, HAS_BIAS=bias is not None,
-        ROW_SCALE=row_sums is not None, SUMS_PARTS=next_pow2(num_sums_in), ADD_RESIDUAL=sums_out is not None,
+        ROW_SCALE=row_sums is not None, SUMS_PARTS=next_pow2(num_sums_in), ADD_RESIDUAL=add_residual,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         FIX_BF16=fix_bf16_rounding(x.dtype), PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.dtype),
         **pdl_launch(x.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    return sums_out
 
 
 def use_splitk_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -60,7 +60,7 @@ def load_model(
     dtype = dtype or default_dtype(device)
     model = build_model(config, ops or select_ops(device), dtype, device)
     load_weights(model, iter_safetensors(files))
-    fold_norm_weights(model)
+    model.fold_norm_weights()  # for the deferred norms, where they run (LlamaModel.fold_norm_weights)
     return model, config
 
 
@@ -159,15 +159,8 @@ def build_random_model(
             param.normal_(0.0, std, generator=gen)
             if isinstance(module, RMSNorm):
                 param.add_(1.0)
-    fold_norm_weights(model)
+    model.fold_norm_weights()  # as load_model
     return model
-
-
-def fold_norm_weights(model: nn.Module) -> bool:
-    """The model's own fold_norm_weights (LlamaModel's), where it has one: the loaded weights
-    ready for the deferred norms of decode batches. Returns whether it folded."""
-    fold = getattr(model, "fold_norm_weights", None)
-    return bool(fold()) if fold is not None else False
 
 
 @torch.no_grad()

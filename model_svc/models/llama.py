@@ -286,7 +286,6 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-
     def defers_norms(self, x: torch.Tensor) -> bool:
         """Whether this batch takes LlamaDecoderLayer.forward_deferred."""
         return self.norms_folded and self.gemv_ops is not None and self.gemv_ops.use_deferred_norms(x)
