@@ -76,7 +76,8 @@ from kernels.triton_decode import (
     default_decode_config,
     pick_num_splits,
 )
-from kernels.triton_fused import cast_needs_fix, normed_query_rows, store_kv_rows
+from kernels.triton_cascade_store import StepKV, fuses_store, normed_query_rows, store_kv_rows  # StepKV, fuses_store: this module's API too
+from kernels.triton_fused import cast_needs_fix
 from kernels.triton_prefill import PrefillConfig
 
 
@@ -84,23 +85,6 @@ from kernels.triton_prefill import PrefillConfig
 class CascadeConfig:
     prefix: PrefillConfig  # block_m: (sequence, query head) rows per tile; block_n: prefix tokens per step
     suffix: DecodeConfig
-
-
-@dataclass(frozen=True, slots=True)
-class StepKV:
-    """What kernels.triton_fused.qk_norm_rope_store takes besides q and the caches: this step's
-    k and v (views into the qkv projection's output), the rotary positions and cache, the
-    per-head norm weights (None without) and the slots. Given to cascade_with_config, the
-    prefix kernel's launch also does that kernel's work (cascade_decode_attention_store)."""
-
-    k: torch.Tensor  # (B, Hkv, D), unit stride along D
-    v: torch.Tensor  # (B, Hkv, D), likewise
-    positions: torch.Tensor  # (B,) int
-    cos_sin_cache: torch.Tensor  # (P, D)
-    q_norm_weight: torch.Tensor | None
-    k_norm_weight: torch.Tensor | None
-    eps: float
-    slot_mapping: torch.Tensor  # (B,) int64; -1 = skip
 
 
 def default_cascade_config(dtype: torch.dtype, head_dim: int) -> CascadeConfig:
@@ -427,12 +411,6 @@ def cascade_with_config(
         num_warps=config.suffix.num_warps, num_stages=config.suffix.num_stages,
     )
     return out
-
-
-def fuses_store(head_dim: int) -> bool:
-    """Whether cascade_decode_attention_store takes this head size: the prefix kernel rebuilds
-    q from its two rotary halves, which needs head_dim a power of two (>= 16, a tile's)."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def cascade_decode_attention(
