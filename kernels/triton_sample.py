@@ -58,12 +58,14 @@ def _consider(base, cols, last, u, inv_t, greedy, best, best_idx):
 
 @triton.jit(do_not_specialize=["vocab", "stride_row", "seed", "chunk"])
 def _gumbel_chunk_kernel(
-    logits_ptr, temperature_ptr, greedy_ptr, best_ptr, best_idx_ptr, out_ptr,
+    logits_ptr, temperature_ptr, greedy_ptr, best_ptr, best_idx_ptr, out_ptr, seed_ptr,
     vocab, stride_row, seed, chunk,
-    BLOCK: tl.constexpr, FINAL: tl.constexpr,
+    BLOCK: tl.constexpr, FINAL: tl.constexpr, SEED_PTR: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     part = tl.program_id(1)
+    if SEED_PTR:  # the key in device memory (a CUDA graph's input), as the int32 the argument is
+        seed = tl.load(seed_ptr).to(tl.int32)
     greedy = tl.load(greedy_ptr + row) != 0
     inv_t = 1.0 / tl.load(temperature_ptr + row)
     QUARTER: tl.constexpr = BLOCK // 4
@@ -112,12 +114,16 @@ def gumbel_sample(
     logits: torch.Tensor,  # (B, V), any float dtype, unit stride along V
     temperature: torch.Tensor,  # (B,) fp32, > 0 on sampled rows
     greedy: torch.Tensor,  # (B,) bool
-    seed: int,  # one per step: Philox key
+    seed: int | torch.Tensor,  # one per step: Philox key in [0, 2**31), or a (1,) int64 device tensor holding it
     num_chunks: int | None = None,  # column ranges per row; None: pick_num_chunks
+    out: torch.Tensor | None = None,  # (B,) int64 to write the draws into
 ) -> torch.Tensor:  # (B,) int64
+    """A seed tensor is read by the kernel, so a captured launch takes each step's key from
+    memory; the draws equal those of the same key given as an int."""
     assert logits.dim() == 2 and logits.stride(-1) == 1
     batch, vocab = logits.shape
-    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
         return out
     # The interpreter runs programs one after another and pays per operation, not per lane:
@@ -133,9 +139,11 @@ def gumbel_sample(
     else:
         best = torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
         best_idx = torch.empty((batch, num_chunks), dtype=torch.int32, device=logits.device)
+    seed_ptr = isinstance(seed, torch.Tensor)
     _gumbel_chunk_kernel[(batch, num_chunks)](
-        logits, temperature, greedy, best, best_idx, out, vocab, logits.stride(0), seed & 0x7FFFFFFF, chunk,
-        BLOCK=block, FINAL=final, num_warps=4 if interpreting() else 8,
+        logits, temperature, greedy, best, best_idx, out, seed if seed_ptr else out,
+        vocab, logits.stride(0), 0 if seed_ptr else seed & 0x7FFFFFFF, chunk,
+        BLOCK=block, FINAL=final, SEED_PTR=seed_ptr, num_warps=4 if interpreting() else 8,
     )  # fmt: skip
     if final:
         return out

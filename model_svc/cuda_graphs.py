@@ -19,7 +19,7 @@ Padded rows (one token) then attend to the prefix only; their outputs are droppe
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -48,48 +48,77 @@ class GraphInputs(NamedTuple):
     rows: Any  # (max_batch,) int64: each sequence's block-table row (where its latest token is kept)
     seq_lens: Any  # (max_batch,) int32; 1 on padding rows
     prefix_blocks: Any  # (1,) int32: the shared prefix of a cascade step
+    greedy: Any  # (max_batch,) int32: 1 where the sampling graph takes the argmax
+    temperature: Any  # (max_batch,) fp32: the sampling graph's temperatures (1.0 on greedy rows)
+    seed: Any  # (1,) int64: the sampling graph's Philox key
 
     @staticmethod
     def nbytes(max_batch: int) -> int:
-        return 4 * 8 * max_batch + 4 * (max_batch + 1) + 4  # padded to 8 bytes
+        return -(-(8 * (4 * max_batch + 1) + 4 * (2 * max_batch + 1) + 4 * max_batch) // 8) * 8
 
     @classmethod
     def views(cls, buf: Any, max_batch: int) -> "GraphInputs":
         """The fields over `buf` (a uint8 numpy array or torch tensor of nbytes(max_batch))."""
-        i64, i32 = (np.int64, np.int32) if isinstance(buf, np.ndarray) else (torch.int64, torch.int32)
-        n, end64 = max_batch, 32 * max_batch
+        numpy = isinstance(buf, np.ndarray)
+        i64, i32, f32 = (np.int64, np.int32, np.float32) if numpy else (torch.int64, torch.int32, torch.float32)
+        n = max_batch
+        end64 = 8 * (4 * n + 1)
+        end32 = end64 + 4 * (2 * n + 1)
         longs = buf[:end64].view(i64)
-        ints = buf[end64 : end64 + 4 * (n + 1)].view(i32)
-        return cls(longs[:n], longs[n : 2 * n], longs[2 * n : 3 * n], longs[3 * n :], ints[:n], ints[n:])
+        ints = buf[end64:end32].view(i32)
+        floats = buf[end32 : end32 + 4 * n].view(f32)
+        return cls(longs[:n], longs[n : 2 * n], longs[2 * n : 3 * n], longs[3 * n : 4 * n], ints[:n], ints[n : n + 1],
+                   ints[n + 1 :], floats, longs[4 * n :])
 
-    def pad(self, batch: int, bucket: int) -> None:
+    def pad(self, batch: int, bucket: int, spare_row: int = 0) -> None:
         """Rows batch..bucket as padding: token 0 at position 0, writing nowhere, one token of
-        context, row 0."""
-        for field, value in zip(self, (0, 0, -1, 0, 1)):
+        context, block-table row `spare_row` (where the sampling graph leaves their draws),
+        greedy."""
+        for field, value in zip(self[:5], (0, 0, -1, spare_row, 1)):
             field[batch:bucket] = value
+        self.greedy[batch:bucket] = 1
+        self.temperature[batch:bucket] = 1.0
+
+
+class DecodeReplay(NamedTuple):
+    hidden: torch.Tensor  # (n, hidden) the step's last hidden states
+    token_ids: torch.Tensor | None  # (n,) int64 sampled in the sampling graph (None: the caller samples)
 
 
 class DecodeGraphs:
+    """sample (optional): sample(logits, temperature, greedy, seed, out=...) writes a batch's draws
+    into out (kernels.triton_sample.gumbel_sample's form, the seed a device tensor). With it,
+    each graph gets a second graph that samples from its hidden states and records the draws
+    at the sequences' rows of last_token: a decode step whose every row the one-pass kernel
+    can sample (greedy or plain temperature) is then two replays, with no launch in between
+    for the LM head, the sampler or the record of the draws."""
+
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_batch: int, max_blocks_per_seq: int, device: torch.device,
-                 max_prefix_blocks: int = 0, last_token_rows: int = 4096, capture: bool = True) -> None:
+                 max_prefix_blocks: int = 0, last_token_rows: int = 4096, capture: bool = True,
+                 sample: Callable[..., Any] | None = None) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_batch, self.max_blocks = max_batch, max_blocks_per_seq
         self.max_prefix_blocks = max_prefix_blocks  # cascade graphs: the shared prefix's bound (0: none)
+        # Each sequence's latest sampled token by block-table row (the runner writes it after
+        # sampling): the graphs read placeholders' tokens from it. Fixed at capture. One row
+        # more, the spare: padding rows read and the sampling graph writes there.
+        self.last_token = torch.zeros(last_token_rows + 1, dtype=torch.long, device=device)
+        self.spare_row = last_token_rows
         # The per-step inputs: one device buffer and its host image (staged, copied in one go).
         self.host_buffer = np.zeros(GraphInputs.nbytes(max_batch), dtype=np.uint8)
         self.host = GraphInputs.views(self.host_buffer, max_batch)
-        self.host.pad(0, max_batch)
+        self.host.pad(0, max_batch, self.spare_row)
         self.buffer = torch.from_numpy(self.host_buffer).to(device, copy=True)
         self.inputs = GraphInputs.views(self.buffer, max_batch)
-        self.input_ids, self.positions, self.slot_mapping, self.rows, self.seq_lens, self.prefix_blocks = self.inputs
-        # Each sequence's latest sampled token by block-table row (the runner writes it after
-        # sampling): the graphs read placeholders' tokens from it. Fixed at capture.
-        self.last_token = torch.zeros(last_token_rows, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.rows, self.seq_lens, self.prefix_blocks = self.inputs[:6]
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         # Keyed by (batch bucket, cascade).
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self.sample = sample
+        self.sample_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.sampled = torch.zeros(max_batch, dtype=torch.long, device=device)  # the sampling graphs' draws
         self.buckets = batch_buckets(max_batch)
         if capture:  # (tests of the input handling build it without graphs, on any device)
             self._capture()
@@ -108,22 +137,40 @@ class DecodeGraphs:
         if self.max_prefix_blocks > 0:
             keys += [(b, True) for b in self.buckets if b >= CASCADE_MIN_SEQS]
         for key in sorted(keys, reverse=True):  # largest first: later graphs reuse its memory
-            batch, cascade = key
-            self._forward(batch, cascade)  # warm-up: compiles kernels, settles allocations
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[key] = self._forward(batch, cascade)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[key] = graph
+            self.graphs[key], self.outputs[key], pool = self._capture_one(self._forward, key, pool)
+            if self.sample is not None:
+                try:
+                    self.sample_graphs[key], _, pool = self._capture_one(self._sample, key, pool)
+                except Exception:  # noqa: BLE001 - a sampling kernel that cannot run here: the runner samples
+                    logger.warning("sampling in the decode graphs failed; the runner samples after them", exc_info=True)
+                    self.sample, self.sample_graphs = None, {}
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch sizes up to %d; cascade from %d sequences)", len(self.graphs),
-                    self.max_batch, CASCADE_MIN_SEQS)
+        logger.info("captured %d decode CUDA graphs (batch sizes up to %d; cascade from %d sequences; sampling %s)",
+                    len(self.graphs), self.max_batch, CASCADE_MIN_SEQS, "captured" if self.sample_graphs else "not captured")
+
+    def _capture_one(self, run: Callable[[int, bool], torch.Tensor], key: tuple[int, bool], pool):
+        """(graph, its output, the pool) of run(*key), warmed up first (kernels compile,
+        allocations settle), in `pool` (a new one when None)."""
+        run(*key)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = run(*key)
+        return graph, out, graph.pool() if pool is None else pool
 
     def _forward(self, batch: int, cascade: bool) -> torch.Tensor:
         ids = self.input_ids[:batch]
         ids = torch.where(ids == PLACEHOLDER, self.last_token[self.rows[:batch]], ids)
         return self.model(ids, self.positions[:batch], self.kv_caches, self._meta(batch, cascade))
+
+    def _sample(self, batch: int, cascade: bool) -> torch.Tensor:
+        """The LM head on graph (batch, cascade)'s hidden states, the draws into `sampled`, and
+        each draw recorded at its sequence's row (padding rows: the spare row)."""
+        logits = self.model.compute_logits(self.outputs[(batch, cascade)])
+        tokens = self.sampled[:batch]
+        self.sample(logits, self.inputs.temperature[:batch], self.inputs.greedy[:batch], self.inputs.seed, out=tokens)
+        self.last_token[self.rows[:batch]] = tokens
+        return tokens
 
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -132,11 +179,14 @@ class DecodeGraphs:
         return (self.bucket(batch), True) in self.graphs and prefix_blocks <= self.max_prefix_blocks
 
     def replay_decode(self, token_ids: list[int], positions: list[int], rows: list[int], tables: np.ndarray,
-                      block_size: int, staging: PinnedStaging) -> torch.Tensor:
-        """One decode step's hidden states (n, hidden): its values written into the host image
-        (PLACEHOLDER tokens stay so: the graph reads them from last_token), the padding rows
-        of its bucket reset, then one staged copy of the image and one of the block tables
-        (rows, as wide as the longest), and the replay of the plain or the cascade graph."""
+                      block_size: int, staging: PinnedStaging, sampling: tuple[list[float], list[bool], int] | None = None) -> DecodeReplay:
+        """One decode step: its values written into the host image (PLACEHOLDER tokens stay
+        so: the graph reads them from last_token), the padding rows of its bucket reset, then
+        one staged copy of the image and one of the block tables (rows, as wide as the
+        longest), and the replay of the plain or the cascade graph. With sampling (each row's
+        temperature and greedy flag, and the step's Philox key) and sampling graphs, the
+        matching sampling graph is replayed too and the draws come back (already recorded
+        at the rows); else only the hidden states."""
         n, h = len(token_ids), self.host
         h.input_ids[:n] = token_ids
         pos = h.positions[:n]
@@ -144,13 +194,22 @@ class DecodeGraphs:
         h.rows[:n] = rows
         h.seq_lens[:n] = pos + 1
         h.slot_mapping[:n] = tables[np.arange(n), pos // block_size].astype(np.int64) * block_size + pos % block_size
-        h.pad(n, self.bucket(n))
+        h.pad(n, self.bucket(n), self.spare_row)
         prefix = shared_prefix_blocks(tables, h.seq_lens[:n], block_size)
         cascade = prefix > 0 and self.has_cascade(n, prefix)
         h.prefix_blocks[0] = prefix if cascade else 0
+        sample = sampling is not None and bool(self.sample_graphs)
+        if sample:
+            h.temperature[:n], h.greedy[:n], h.seed[0] = sampling
         staging.copy_into(self.host_buffer, self.buffer)
         staging.copy_into(tables, self.block_tables[:n, : tables.shape[1]])
-        return self.replay(n, cascade)
+        hidden = self.replay(n, cascade)
+        if not sample:
+            return DecodeReplay(hidden, None)
+        t = phase_times.start()
+        self.sample_graphs[(self.bucket(n), cascade)].replay()
+        phase_times.add("graphs.sample_replay", t)
+        return DecodeReplay(hidden, self.sampled[:n])
 
     def replay(self, batch: int, cascade: bool) -> torch.Tensor:
         """Run the graph of this batch on what the buffers hold (`host` copied into `buffer`,

@@ -10,7 +10,7 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -21,10 +21,13 @@ from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.launched_step import LaunchedStep
 from model_svc.loader import load_model, resolve_dtype
 from model_svc.prefill_graphs import PrefillGraphs, supports_piecewise
-from model_svc.sampler import Sampler, SamplingBatch, make_generator
+from model_svc.sampler import Sampler, SamplingBatch, make_generator, plain_row
 from model_svc.step import PLACEHOLDER, SeqStep, StepInput, StepOutput
 from model_svc.transfer import PinnedStaging, to_device
 from scheduler_svc import phase_times
+
+if TYPE_CHECKING:
+    from model_svc.cuda_graphs import DecodeReplay
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ class _SeqState:
     token_ids: list[int] = field(default_factory=list)  # every token fed, by position
     generator: torch.Generator | None = None
     sampled: bool = False  # a launched step samples it: a placeholder can stand for its latest token
+    plain: tuple[float, bool] | None = None  # (temperature, greedy) when the one-pass kernel samples it (plain_row)
 
 
 class ModelRunner:
@@ -112,7 +116,7 @@ class ModelRunner:
 
             width = self.block_tables.table.shape[1]  # blocks of the longest possible sequence
             self.graphs = DecodeGraphs(self.model, self.pools.layer_caches, min(max_num_seqs, 512), width, self.device,
-                                       max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // block_size))
+                                       max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // block_size), sample=fused_sample)
             self._last_token = self.graphs.last_token
             if supports_piecewise(self.model):
                 self.prefill_graphs = PrefillGraphs(self.model, self.pools.layer_caches, max_num_batched_tokens, self.device)
@@ -218,10 +222,14 @@ class ModelRunner:
         states = [self.seqs[s.seq_id] for s in seqs]
         rows = [st.row for st in states]
         tables = self.block_tables.rows(rows, max(st.num_blocks for st in states))  # the step's block tables
-        hidden = self._graph_decode(seqs, rows, tables) if inp.num_steps == 1 else None
-        if hidden is not None:
+        replay = self._graph_decode(seqs, states, rows, tables) if inp.num_steps == 1 else None
+        hidden = None
+        if replay is not None:
             phase_times.add("runner.graph_decode", t)
-        else:
+            if replay.token_ids is not None:  # sampled and recorded in the graphs
+                return LaunchedStep(self, seqs, replay.token_ids[:, None])
+            hidden = replay.hidden
+        if hidden is None:
             input_ids, positions, meta, sample_rows = self._prepare(seqs, rows, tables)
             phase_times.add("runner.prepare", t)
             if inp.num_steps > 1:
@@ -246,20 +254,25 @@ class ModelRunner:
         phase_times.add("runner.readback_queued", t)
         return launched
 
-    def _graph_decode(self, seqs: list[SeqStep], rows: list[int], tables: np.ndarray) -> torch.Tensor | None:
+    def _graph_decode(self, seqs: list[SeqStep], states: list[_SeqState], rows: list[int], tables: np.ndarray) -> DecodeReplay | None:
         """A decode batch that samples every sequence, replayed from the decode graphs with its
-        inputs written straight into their buffers (DecodeGraphs.replay_decode): the hidden
-        states. None when the batch is not for the graphs (prefill, no graphs, too large, rows
-        past the graphs' token buffer): _prepare builds it then."""
+        inputs written straight into their buffers (DecodeGraphs.replay_decode); sampled in
+        the graphs too when the one-pass kernel takes every row. None when the batch is not
+        for the graphs (prefill, no graphs, too large, rows past the graphs' token buffer):
+        _prepare builds it then."""
         g = self.graphs
         n = len(seqs)
-        if g is None or self._staging is None or n > g.max_batch or self._last_token is not g.last_token:
+        if g is None or self._staging is None or n > g.max_batch or self._last_token is not g.last_token \
+                or self.block_tables.table.shape[0] > g.spare_row:  # rows past the graphs' token buffer
             return None
         if tables.shape[1] > g.max_blocks or any(len(s.token_ids) != 1 or not s.sample for s in seqs):
             return None
         self._rows = g.rows[:n]
+        sampling = None
+        if g.sample_graphs and all(st.plain is not None for st in states):
+            sampling = ([st.plain[0] for st in states], [st.plain[1] for st in states], self.sampler.next_seed())
         return g.replay_decode([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs], rows, tables,
-                               self.block_size, self._staging)
+                               self.block_size, self._staging, sampling)
 
     def _sampling_batch(self, states: list["_SeqState"]) -> SamplingBatch:
         """The step's per-row sampling tensors. A decode batch usually has the rows of the step
@@ -344,7 +357,8 @@ class ModelRunner:
                 seed = getattr(s.sampling, "seed", None)
                 gen = make_generator(seed, self.device) if seed is not None else None
                 prompt = list(s.prompt_token_ids or [])
-                state = _SeqState(s.sampling, len(prompt), token_ids=prompt, generator=gen, row=self.block_tables.acquire())
+                state = _SeqState(s.sampling, len(prompt), token_ids=prompt, generator=gen, row=self.block_tables.acquire(),
+                                  plain=plain_row(s.sampling))
                 self.seqs[s.seq_id] = state
         if s.table_blocks is not None:
             self.block_tables.write(state.row, s.table_start, s.table_blocks)

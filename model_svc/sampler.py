@@ -28,6 +28,26 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return torch.Generator(device=torch.device(device)).manual_seed(seed)
 
 
+def is_greedy(params: Any) -> bool:
+    """A row that takes the argmax: temperature ~ 0 or top_k == 1 (vLLM's rule)."""
+    return params.temperature < _SAMPLING_EPS or params.top_k == 1
+
+
+def plain_row(params: Any) -> tuple[float, bool] | None:
+    """(temperature, greedy) of a row that the one-pass kernel can sample whatever its batch
+    holds (Sampler's fused path, and the decode graphs' sampling): greedy, or temperature
+    alone (no top-k, top-p, min-p or seed); no penalties or logprobs either way. None for any
+    other row. A greedy row's temperature is 1.0, as SamplingBatch keeps it."""
+    if params.logprobs is not None or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 \
+            or params.frequency_penalty != 0.0:
+        return None
+    if is_greedy(params):
+        return 1.0, True
+    if params.top_k > 0 or params.top_p != 1.0 or params.min_p != 0.0 or getattr(params, "seed", None) is not None:
+        return None
+    return float(params.temperature), False
+
+
 def _pad(rows: Sequence[Sequence[int]], device: torch.device | str, pinned: bool) -> torch.Tensor:
     """(B, L) int64, padded with -1."""
     padded = np.full((len(rows), max((len(r) for r in rows), default=0)), -1, dtype=np.int64)
@@ -66,7 +86,7 @@ class SamplingBatch:
         pinned: bool = False,
     ) -> SamplingBatch:
         num_rows = len(params_list)
-        greedy_rows = [p.temperature < _SAMPLING_EPS or p.top_k == 1 for p in params_list]
+        greedy_rows = [is_greedy(p) for p in params_list]
         random_params = [p for p, g in zip(params_list, greedy_rows) if not g]
 
         def column(name: str, off: float, rows: Sequence[Any] = random_params) -> torch.Tensor | None:
@@ -195,6 +215,12 @@ class Sampler:
         self._seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if fused is not None else 0
         self._calls = 0
 
+    def next_seed(self) -> int:
+        """The one-pass kernel's Philox key for its next step (the decode graphs' sampling
+        takes it from here too, so both paths draw the same sequence of keys)."""
+        self._calls += 1
+        return (self._seed + self._calls * 0x9E3779B1) & 0x7FFFFFFF
+
     def _fused_ok(self, batch: SamplingBatch) -> bool:
         return (
             self.fused is not None
@@ -209,8 +235,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if self._fused_ok(batch):
-            self._calls += 1
-            seed = (self._seed + self._calls * 0x9E3779B1) & 0x7FFFFFFF
+            seed = self.next_seed()
             try:
                 return SamplerOutput(token_ids=self.fused(logits, batch.temperature, batch.greedy, seed))
             except Exception:  # noqa: BLE001 - a kernel that cannot run here: fall back for good

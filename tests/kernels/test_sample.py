@@ -50,6 +50,22 @@ def test_seed_decides_the_draw(device):
     assert len(set(a.tolist())) > 20  # uniform over 50 tokens: many distinct draws
 
 
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_seed_read_from_device_memory_draws_as_the_int(device, num_chunks):
+    """A (1,) int64 tensor holding the key (what a captured launch reads each step) gives the
+    draws of the same key passed as an int, into a given output buffer too."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn((6, 700), generator=gen).to(device, torch.bfloat16)
+    temperature = torch.full((6,), 0.9, device=device)
+    greedy = torch.tensor([False] * 5 + [True], device=device)
+    for seed in (0, 12345, 2**31 - 1):
+        want = gumbel_sample(x, temperature, greedy, seed=seed, num_chunks=num_chunks)
+        out = torch.full((6,), -1, dtype=torch.int64, device=device)
+        got = gumbel_sample(x, temperature, greedy, torch.tensor([seed], device=device), num_chunks=num_chunks, out=out)
+        assert got is out and torch.equal(got, want)
+    assert not torch.equal(want, gumbel_sample(x, temperature, greedy, torch.tensor([7], device=device), num_chunks=num_chunks))
+
+
 @pytest.mark.parametrize("num_chunks", [2, 3, 5])
 def test_draws_do_not_depend_on_the_chunking(device, num_chunks):
     """The noise is keyed by (row, column), so cutting rows into column ranges changes nothing:
@@ -107,3 +123,40 @@ def test_sampler_falls_back_when_the_kernel_fails(caplog):
     out = sampler(torch.randn(3, 16), _batch([SamplingParams(temperature=0.7)] * 3))
     assert out.token_ids.shape == (3,) and sampler.fused is None
     assert "fused sampling kernel failed" in caplog.text
+
+
+def test_decode_graphs_sampling_body(device):
+    """What a decode graph's sampling graph runs (DecodeGraphs._sample, here uncaptured): the LM
+    head on the graph's hidden states, the one-pass kernel on the inputs' temperatures, greedy
+    flags and key, the draws recorded at each row's slot of last_token (padding rows: the spare
+    row only)."""
+    import numpy as np
+
+    from model_svc.cuda_graphs import DecodeGraphs
+
+    class Head:
+        def __init__(self):
+            self.weight = torch.randn((300, 8), generator=torch.Generator().manual_seed(1)).to(device)
+
+        def compute_logits(self, hidden):
+            return hidden @ self.weight.T
+
+    g = DecodeGraphs(Head(), [], 8, 4, device, last_token_rows=16, capture=False, sample=gumbel_sample)
+    n, bucket = 5, 8
+    hidden = torch.randn((bucket, 8), generator=torch.Generator().manual_seed(2)).to(device)
+    g.outputs[(bucket, False)] = hidden
+    h = g.host
+    h.rows[:n] = [3, 9, 0, 15, 7]
+    h.temperature[:n], h.greedy[:n], h.seed[0] = [0.7, 1.0, 1.3, 1.0, 0.9], [0, 1, 0, 1, 0], 777
+    h.pad(n, bucket, g.spare_row)
+    g.buffer.copy_(torch.from_numpy(g.host_buffer))
+    g.last_token.fill_(-5)
+    tokens = g._sample(bucket, False)
+    logits = Head().compute_logits(hidden)
+    want = gumbel_sample(logits, g.inputs.temperature[:bucket], g.inputs.greedy[:bucket], 777)
+    assert torch.equal(tokens, want) and torch.equal(g.sampled[:bucket], want)
+    assert torch.equal(want[[1, 3]], logits[[1, 3]].argmax(-1))  # greedy rows
+    last = g.last_token.cpu()
+    assert last[[3, 9, 0, 15, 7]].tolist() == want[:n].tolist()
+    assert last[16].item() in want[n:].tolist() and last[[r for r in range(16) if r not in (3, 9, 0, 15, 7)]].eq(-5).all()
+    assert np.all(h.rows[n:bucket] == 16)

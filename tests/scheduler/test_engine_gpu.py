@@ -98,6 +98,45 @@ def test_overlapped_graph_decode_with_cascade_equals_eager():
     assert (11, True) in replays and (1, False) in replays  # the cascade graph, and plain decode
 
 
+class _CountedGraph:
+    def __init__(self, graph, log, key):
+        self.graph, self.log, self.key = graph, log, key
+
+    def replay(self):
+        self.log.append(self.key)
+        self.graph.replay()
+
+
+def test_sampling_in_the_decode_graphs_draws_as_the_runner():
+    """Decode steps whose rows are all greedy or plain temperature are sampled inside the
+    graphs (the LM head, the one-pass kernel with its key read from the inputs, the draws
+    recorded at the rows): the same tokens as the runner's sampling after the graph, given
+    the same keys; a row with top-k keeps its batch on the runner's sampler."""
+    import random
+
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 500) for _ in range(5 + i)] for i in range(20)]
+    plain = [SamplingParams(temperature=0 if i % 3 == 0 else 0.8, max_tokens=32, ignore_eos=True) for i in range(20)]
+
+    def run(graph_sampling: bool, params) -> tuple[list[list[int]], list]:
+        llm = LLM(device="cuda", dtype="float32", num_gpu_blocks=512, async_scheduling=True)
+        runner = llm.engine.model
+        runner.sampler._seed = 4321  # the same keys in both runs
+        log = []
+        graphs = runner.graphs
+        assert graphs.sample_graphs, "sampling graphs were not captured"
+        graphs.sample_graphs = {k: _CountedGraph(g, log, k) for k, g in graphs.sample_graphs.items()} if graph_sampling else {}
+        return [o.token_ids for o in llm.generate(prompts, params)], log
+
+    got, log = run(True, plain)
+    want, _ = run(False, plain)
+    assert got == want
+    assert len(log) >= 30 and (32, False) in log  # the decode steps sampled in the graphs (20 rows: bucket 32)
+    topk = [SamplingParams(temperature=0.8, top_k=5 if i == 7 else -1, max_tokens=8, ignore_eos=True) for i in range(20)]
+    outs, log = run(True, topk)
+    assert log == [] and all(len(t) == 8 for t in outs)
+
+
 def test_programmatic_dependent_launch_changes_no_token(monkeypatch):
     """PICOVLLM_PDL=1 only changes when kernels start, never what they compute: bf16 greedy
     tokens with it equal those without, through the decode graphs (plain and cascade over a
