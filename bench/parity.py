@@ -42,6 +42,13 @@ def greedy_with_gaps(runner, prompts: list[list[int]], max_tokens: int, batched:
         return logits
 
     runner.model.compute_logits = hooked
+    # Decode steps sampled inside the graphs never call compute_logits on the host, so the hook
+    # would see no logits: sample after the graphs for the check (the same LM head and argmax;
+    # that the graphs' sampling draws as the runner's does is tests/scheduler/test_engine_gpu.py's).
+    graphs = runner.graphs
+    sample_graphs = graphs.sample_graphs if graphs is not None else None
+    if graphs is not None:
+        graphs.sample_graphs = {}
     try:
         if batched:
             return _greedy_batched(runner, prompts, max_tokens, params, gaps_hook)
@@ -58,6 +65,8 @@ def greedy_with_gaps(runner, prompts: list[list[int]], max_tokens: int, batched:
             results.append((tokens[len(prompt):], gaps))
     finally:
         runner.model.compute_logits = orig
+        if graphs is not None:
+            graphs.sample_graphs = sample_graphs
     return results
 
 
