@@ -34,6 +34,8 @@ HISTORY = [
     ("v17 q/k norm\nby head groups", 25409),
     ("v18 cascade\nstore fused\n(path unchanged)", 24984),
     ("v19 deferred\nnorms (path\nmostly as v18)", 25062),
+    ("v20 sampling\nin the graphs", 25051),
+    ("v20 service\nmode (3 procs)", 26068),
 ]
 
 # (label, [(throughput on/off, TTFT p50 off/on) per run]) of bench/prefix.py, as bench/NOTES.md
@@ -48,6 +50,7 @@ PREFIX_HISTORY = [
     ("v17 q/k norm\nhead groups\n(medians)", [(2.82, 7.27)]),
     ("v18 store in\ncascade, GQA\nprefill (medians)", [(2.90, 7.21), (2.90, 8.34), (2.80, 6.92)]),
     ("v19 deferred\nnorms\n(medians)", [(3.01, 8.27), (2.57, 6.63), (2.73, 5.70)]),
+    ("v20 sampling\nin the graphs\n(medians)", [(3.04, 8.35), (3.08, 9.48)]),
 ]
 
 
