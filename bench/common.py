@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -105,7 +107,51 @@ def environment() -> dict:
     except ImportError:
         info["triton"] = "-"
     info["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})"
+    info["host"] = host_description()
     return info
+
+
+def host_description() -> str:
+    """The host CPU's model name and how fast it runs a fixed piece of Python (the engine's
+    per-request work is Python: a run whose steps wait on the host moves with this figure
+    from machine to machine)."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} CPUs; Python probe {python_probe_us():.0f} us (lower is faster)"
+
+
+def python_probe_us(repeats: int = 7) -> float:
+    """Best of `repeats` timings of a fixed loop of attribute, dict and list work (the kind the
+    scheduler and output processing do per request), in microseconds."""
+
+    class Item:
+        __slots__ = ("a", "b")
+
+        def __init__(self, a: int) -> None:
+            self.a, self.b = a, [a]
+
+    best = float("inf")
+    enabled = gc.isenabled()
+    gc.disable()  # the collector's walks scale with the process's heap, not with the host
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            table: dict[int, Item] = {}
+            for i in range(20000):
+                item = Item(i)
+                table[i] = item
+                item.b.append(item.a + len(item.b))
+            best = min(best, time.perf_counter() - start)
+    finally:
+        if enabled:
+            gc.enable()
+    return best * 1e6
 
 
 def write_result(path: str, title: str, env: dict, body: str) -> None:
