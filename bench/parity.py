@@ -5,7 +5,13 @@ first 32 greedy tokens of 8 prompts, one at a time, must agree, or differ only w
 plain path's top-2 logit gap is a near-tie (below 1e-2), or where each path's token is the
 other's second choice (a top-2 swap: the criterion of vLLM's check_logprobs_close with two
 logprobs); likewise 48 prompts stepped together (decode batches of 48: split-K, the fused
-gate|up, the deferred norms). A MISMATCH is a divergence that is neither."""
+gate|up, the deferred norms). A MISMATCH is a divergence that is neither.
+
+Each divergence is also put to an fp32 reference: the plain path in fp32 on the same 16-bit
+weights (upcast exactly), given the tokens both paths agreed on, scores the two candidate
+tokens; its margin says which path's token the exact function prefers, and by how much. When
+the 16-bit paths diverge at bf16 noise, the reference sides with the optimized path about as
+often as with the plain one."""
 
 from __future__ import annotations
 
@@ -110,32 +116,40 @@ def check_parity(model: str, device: str, dtype: str | None, near_tie: float, nu
     rng = random.Random(0)
     lengths = [5, 17, 31, 64, 100, 129, 250, 511][:num_prompts]
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
-    report = _compare(model, device, dtype, prompts, max_tokens, near_tie, batched=False)
+    report, margins = _compare(model, device, dtype, prompts, max_tokens, near_tie, batched=False)
     if batched_prompts:
         batch = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 300))] for _ in range(batched_prompts)]
-        rows = _compare(model, device, dtype, batch, max_tokens, near_tie, batched=True)
+        rows, batched_margins = _compare(model, device, dtype, batch, max_tokens, near_tie, batched=True)
+        margins += batched_margins
         counts = {what: sum(what in r for r in rows) for what in ("equal", "near-tie", "top-2 swap", "MISMATCH")}
         report.append(f"{batched_prompts} prompts stepped together: all {max_tokens} tokens equal for {counts['equal']}; "
                       f"first divergence at a near-tie for {counts['near-tie']}, at a top-2 swap for {counts['top-2 swap']}; "
                       f"MISMATCH for {counts['MISMATCH']}")
         report += [r for r in rows if "equal" not in r and "near-tie" not in r]
+    if margins:
+        report.append(f"fp32 reference at all {len(margins)} divergences: the optimized path's token ahead at "
+                      f"{sum(m > 0 for m in margins)}, the plain path's at {sum(m < 0 for m in margins)}; the two candidates "
+                      f"at most {max(abs(m) for m in margins):.2e} apart (median {sorted(map(abs, margins))[len(margins) // 2]:.2e})")
     return report
 
 
-def _compare(model, device, dtype, prompts, max_tokens, near_tie, batched: bool) -> list[str]:
-    """The optimized runner's greedy tokens against the plain one's, a line per prompt."""
+def _compare(model, device, dtype, prompts, max_tokens, near_tie, batched: bool) -> tuple[list[str], list[float]]:
+    """The optimized runner's greedy tokens against the plain one's, a line per prompt, and the
+    fp32 reference's margin at each divergence (optimized token minus plain token; none for
+    a plain path that is not 16-bit)."""
     blocks = sum(-(-(len(p) + max_tokens) // 16) for p in prompts) + 16  # _tables' blocks
     _, fast = build_runner(model, device, dtype, num_device_blocks=blocks, max_num_seqs=max(8, len(prompts) if batched else 8))
     got = greedy_with_gaps(fast, prompts, max_tokens, batched)
     folded = fast.model.model.norms_folded
     del fast
     _, plain = build_runner(model, device, dtype, num_device_blocks=blocks, kernel_backend="torch", enforce_eager=True)
+    plain_dtype = plain.dtype
     if folded:  # the same weights as the optimized model holds (its norm weights folded into q|k|v, gate|up)
         plain.model.fold_norm_weights(force=True)
     want = greedy_with_gaps(plain, prompts, max_tokens, batched)
     del plain
     torch.cuda.empty_cache()
-    report = []
+    report, divergences = [], []
     for i, ((a, fast_top2), (b, plain_top2)) in enumerate(zip(got, want)):
         diverge = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if diverge is None:
@@ -149,7 +163,54 @@ def _compare(model, device, dtype, prompts, max_tokens, near_tie, batched: bool)
         else:
             status = "MISMATCH"
         report.append(f"prompt {i} (len {len(prompts[i])}): first divergence at token {diverge}, top-2 gap {gap:.2e}: {status}")
-    return report
+        divergences.append((len(report) - 1, prompts[i] + a[:diverge], a[diverge], b[diverge]))
+    margins = []
+    if divergences and dtype_is_16bit(plain_dtype):
+        margins = reference_margins(model, device, dtype, folded, [(p, x, y) for _, p, x, y in divergences])
+        for (line, *_), margin in zip(divergences, margins):
+            side = "optimized" if margin > 0 else "plain" if margin < 0 else "neither"
+            report[line] += f"; fp32 reference: {side} token ahead by {abs(margin):.2e}"
+    return report, margins
+
+
+def dtype_is_16bit(dtype: torch.dtype) -> bool:
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def reference_margins(model: str, device: str, dtype: str | None, folded: bool, cases: list[tuple[list[int], int, int]]) -> list[float]:
+    """For each (tokens, x, y): the fp32 logit of x minus that of y at the position after
+    `tokens`, from the plain path in fp32 on the model's 16-bit weights (norm weights folded as
+    the optimized model's are, then upcast, which is exact)."""
+    from model_svc.runner import ModelRunner
+    from model_svc.step import SeqStep, StepInput
+    from scheduler_svc import SamplingParams
+
+    blocks = max(-(-len(t) // 16) for t, _, _ in cases) + 1
+    path, plain = build_runner(model, device, dtype, num_device_blocks=blocks, kernel_backend="torch", enforce_eager=True)
+    weights = plain.model
+    del plain
+    if folded:
+        weights.fold_norm_weights(force=True)
+    ref = ModelRunner(path, device=device, dtype=torch.float32, model=weights.float(), kernel_backend="torch", enforce_eager=True,
+                      num_device_blocks=blocks)
+    seen = {}
+    orig = ref.model.compute_logits
+    ref.model.compute_logits = lambda hidden: seen.setdefault("logits", orig(hidden))
+    margins = []
+    try:
+        for tokens, x, y in cases:
+            seen.clear()
+            step = SeqStep("ref", list(tokens), 0, True, 0, list(range(-(-len(tokens) // 16))),
+                           SamplingParams(temperature=0, max_tokens=1), list(tokens))
+            ref.step(StepInput(seqs=[step]))
+            ref.step(StepInput(finished=["ref"]))
+            logits = seen["logits"][-1].float()
+            margins.append((logits[x] - logits[y]).item())
+    finally:
+        ref.model.compute_logits = orig
+    del ref, weights
+    torch.cuda.empty_cache()
+    return margins
 
 
 if __name__ == "__main__":
@@ -159,6 +220,7 @@ if __name__ == "__main__":
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--out", default=None, help="also write the report as a result file (markdown)")
     ap.add_argument("--prefill-p-terms", type=int, choices=[1, 2], default=None,
                     help="experiment: prefill attention's P @ V with P as 1 or 2 bf16 terms (default: the kernel's)")
     args = ap.parse_args()
@@ -169,4 +231,10 @@ if __name__ == "__main__":
 
         default = triton_prefill.default_prefill_config
         triton_prefill.default_prefill_config = lambda *a: dataclasses.replace(default(*a), split_p=args.prefill_p_terms == 2)
-    print("\n".join(check_parity(args.model, args.device, args.dtype, near_tie=1e-2)))
+    from bench.common import environment, write_result
+
+    env = environment()
+    lines = check_parity(args.model, args.device, args.dtype, near_tie=1e-2)
+    print("\n".join(lines))
+    if args.out:
+        write_result(args.out, "Greedy parity, optimized vs plain path, with an fp32 reference", env, "\n".join(f"- {line}" for line in lines))
