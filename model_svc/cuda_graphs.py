@@ -14,6 +14,11 @@ Batches of at least CASCADE_MIN_SEQS also get a second graph that runs cascade d
 shared prefix read once for the batch, model_svc.attention_metadata): its prefix length is a
 device value, and its bound, which sizes the prefix kernel's grid, is fixed at capture.
 Padded rows (one token) then attend to the prefix only; their outputs are dropped too.
+
+Each of those graphs can have a sampling graph beside it (the LM head, the one-pass sampling
+kernel on temperatures, greedy flags and a Philox key from the same byte buffer, the draws
+recorded in `last_token`; padded rows draw too and record at a spare row), so that a decode
+step of greedy or plain-temperature rows launches nothing between its replays.
 """
 
 from __future__ import annotations
