@@ -113,12 +113,16 @@ def check_parity(model: str, device: str, dtype: str | None, near_tie: float, nu
     """The 8 prompts one at a time (batch-1 decode), then batched_prompts prompts stepped
     together (decode batches of tens of rows: split-K, the fused gate|up, the deferred norms);
     0 skips the batched part."""
+    from bench.common import model_dir_for
+    from model_svc.config import ModelConfig
+
+    longest = ModelConfig.from_pretrained(model_dir_for(model)[0]).max_position_embeddings - max_tokens  # prompt + output fit
     rng = random.Random(0)
-    lengths = [5, 17, 31, 64, 100, 129, 250, 511][:num_prompts]
+    lengths = [min(n, longest) for n in (5, 17, 31, 64, 100, 129, 250, 511)[:num_prompts]]
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
     report, margins = _compare(model, device, dtype, prompts, max_tokens, near_tie, batched=False)
     if batched_prompts:
-        batch = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 300))] for _ in range(batched_prompts)]
+        batch = [[rng.randrange(3, 500) for _ in range(min(rng.randrange(5, 300), longest))] for _ in range(batched_prompts)]
         rows, batched_margins = _compare(model, device, dtype, batch, max_tokens, near_tie, batched=True)
         margins += batched_margins
         counts = {what: sum(what in r for r in rows) for what in ("equal", "near-tie", "top-2 swap", "MISMATCH")}
