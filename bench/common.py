@@ -167,9 +167,12 @@ def make_llm(model: str, device: str, dtype: str | None = None, num_gpu_blocks: 
     from scheduler_svc.engine import LLMEngine
     from scheduler_svc.llm import LLM
 
+    from scheduler_svc.config import small_batch_pdl
+
     block_size = engine_kwargs.get("block_size", 16)
     path, runner = build_runner(
         model, device, dtype, block_size=block_size, num_device_blocks=num_gpu_blocks, enforce_eager=enforce_eager,
+        small_batch_pdl=small_batch_pdl(engine_kwargs.get("async_scheduling"), engine_kwargs.get("num_scheduler_steps", 1)),
         max_num_seqs=engine_kwargs.get("max_num_seqs", 256), max_num_batched_tokens=engine_kwargs.get("max_num_batched_tokens", 8192),
         num_host_blocks=engine_kwargs.pop("num_cpu_blocks", 0),
     )

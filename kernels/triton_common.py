@@ -6,6 +6,7 @@ the same kernels as CUDA; the only difference it needs is `upcast_dot` below.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -65,7 +66,8 @@ def num_sms(device: torch.device) -> int:
     return DEFAULT_NUM_SMS
 
 
-PDL_ENV = "PICOVLLM_PDL"  # "1": programmatic dependent launch for the kernels that take it (opt-in)
+PDL_ENV = "PICOVLLM_PDL"  # "1": programmatic dependent launch everywhere; "0": nowhere; unset: small decode graphs
+_pdl_scope: bool | None = None  # set by pdl_scope(): what launches inside it want when the variable is unset
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,22 +75,42 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def pdl_wanted() -> bool:
+    """The policy, before the device's say: PICOVLLM_PDL=1 everywhere, =0 nowhere; unset, only
+    inside a pdl_scope(True) (the decode graphs of small batches)."""
+    setting = os.environ.get(PDL_ENV)
+    if setting is not None and setting != "":
+        return setting == "1"
+    return bool(_pdl_scope)
+
+
+@contextlib.contextmanager
+def pdl_scope(enabled: bool):
+    """Launches (and graph captures) inside the block take programmatic dependent launch when
+    `enabled`, unless PICOVLLM_PDL says otherwise. One thread captures at a time."""
+    global _pdl_scope
+    previous, _pdl_scope = _pdl_scope, enabled
+    try:
+        yield
+    finally:
+        _pdl_scope = previous
+
+
 def use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch, opt-in (PICOVLLM_PDL=1; Hopper and later, not under the
-    interpreter): a kernel launched with it may start while the kernel before it in the
+    """Programmatic dependent launch (Hopper and later, not under the interpreter; pdl_wanted
+    decides where): a kernel launched with it may start while the kernel before it in the
     stream is still finishing (once every program of that one has passed its
     `pdl_prologue`), so its launch and start-up overlap the other's tail. A CUDA graph's
     capture keeps it as a programmatic edge. The RMSNorm, q/k-norm + rotary + KV store,
     SiLU-and-mul, decode, cascade and small-batch projection kernels take it.
 
-    Not on by default: on the H200 (bench/results/pdl_h200.md) it made the steps of small
-    kernels faster (batch-1 decode 0.942 -> 0.883 ms a token; the prefix workload's cached
-    run ~31,800 -> 32,517 and 34,247 tok/s) but the steps of large ones slower (the same
+    By default only the decode graphs of small batches capture it (model_svc.cuda_graphs):
+    on the H200 (bench/results/pdl_h200.md) it made the steps of small kernels faster
+    (batch-1 decode 0.942 -> 0.883 ms a token) but the steps of large ones slower (the prefix
     workload's uncached run 11,622 -> 11,283 and 11,247 tok/s; the headline 24,300 -> 23,863,
-    one run), for reasons not yet measured. With the split-K projections (medians of five
-    runs each, one call) the cached run lost its gain (33,531 against 34,367 tok/s) and the
-    uncached one still lost 3 % (11,359 against 11,732)."""
-    if device.type != "cuda" or interpreting() or os.environ.get(PDL_ENV, "0") != "1":
+    one run), for reasons not yet measured; with the split-K projections, at 64 rows, the
+    cached prefix run lost too (33,531 against 34,367 tok/s)."""
+    if device.type != "cuda" or interpreting() or not pdl_wanted():
         return False
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 

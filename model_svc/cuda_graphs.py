@@ -37,6 +37,15 @@ from scheduler_svc import phase_times
 logger = logging.getLogger(__name__)
 
 
+# Decode graphs of up to this many rows capture programmatic dependent launch (unless
+# PICOVLLM_PDL says otherwise, kernels.triton_common.use_pdl): a step of one to a few
+# sequences is a chain of latency-bound kernels, where each one's launch overlapping the last
+# one's tail pays when steps are queued back to back (batch-1 decode, overlapped scheduling,
+# 0.936 -> 0.879 ms a token); larger steps it made slower, and so it did steps launched one
+# at a time (scheduler_svc.config.small_batch_pdl).
+PDL_MAX_BATCH = 8
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
     return sorted(set(sizes))
@@ -100,7 +109,7 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_batch: int, max_blocks_per_seq: int, device: torch.device,
                  max_prefix_blocks: int = 0, last_token_rows: int = 4096, capture: bool = True,
-                 sample: Callable[..., Any] | None = None) -> None:
+                 sample: Callable[..., Any] | None = None, pdl_max_batch: int = PDL_MAX_BATCH) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_batch, self.max_blocks = max_batch, max_blocks_per_seq
         self.max_prefix_blocks = max_prefix_blocks  # cascade graphs: the shared prefix's bound (0: none)
@@ -122,6 +131,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.sample = sample
+        self.pdl_max_batch = pdl_max_batch  # graphs of up to this many rows capture PDL (0: none)
         self.sample_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.sampled = torch.zeros(max_batch, dtype=torch.long, device=device)  # the sampling graphs' draws
         self.buckets = batch_buckets(max_batch)
@@ -137,12 +147,15 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
+        from kernels.triton_common import pdl_scope
+
         pool = None
         keys = [(b, False) for b in self.buckets]
         if self.max_prefix_blocks > 0:
             keys += [(b, True) for b in self.buckets if b >= CASCADE_MIN_SEQS]
         for key in sorted(keys, reverse=True):  # largest first: later graphs reuse its memory
-            self.graphs[key], self.outputs[key], pool = self._capture_one(self._forward, key, pool)
+            with pdl_scope(key[0] <= self.pdl_max_batch):
+                self.graphs[key], self.outputs[key], pool = self._capture_one(self._forward, key, pool)
             if self.sample is not None:
                 try:
                     self.sample_graphs[key], _, pool = self._capture_one(self._sample, key, pool)

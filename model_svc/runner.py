@@ -76,6 +76,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         max_num_seqs: int = 256,
         pinned_inputs: bool = True,
+        small_batch_pdl: bool = True,  # the small-batch decode graphs capture PDL (scheduler_svc.config.small_batch_pdl)
     ) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device)
@@ -112,11 +113,12 @@ class ModelRunner:
         self.pinned_inputs = pinned_inputs and self.device.type == "cuda"
         self._staging = PinnedStaging(self.device) if self.pinned_inputs else None
         if self.device.type == "cuda" and not enforce_eager:
-            from model_svc.cuda_graphs import DecodeGraphs
+            from model_svc.cuda_graphs import PDL_MAX_BATCH, DecodeGraphs
 
             width = self.block_tables.table.shape[1]  # blocks of the longest possible sequence
             self.graphs = DecodeGraphs(self.model, self.pools.layer_caches, min(max_num_seqs, 512), width, self.device,
-                                       max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // block_size), sample=fused_sample)
+                                       max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // block_size), sample=fused_sample,
+                                       pdl_max_batch=PDL_MAX_BATCH if small_batch_pdl else 0)
             self._last_token = self.graphs.last_token
             if supports_piecewise(self.model):
                 self.prefill_graphs = PrefillGraphs(self.model, self.pools.layer_caches, max_num_batched_tokens, self.device)

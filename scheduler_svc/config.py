@@ -62,8 +62,22 @@ class EngineConfig:
         if not Path(self.model).is_dir():
             raise FileNotFoundError(f"model directory not found: {self.model}")
 
+    @property
+    def small_batch_pdl(self) -> bool:
+        return small_batch_pdl(self.async_scheduling, self.num_scheduler_steps)
+
     def resolve_num_cpu_blocks(self, num_device_blocks: int, block_bytes: int) -> int:
         """The host pool: given, or the swap space in blocks (at most 4x the device pool)."""
         if self.num_cpu_blocks is not None:
             return self.num_cpu_blocks
         return min(int(self.swap_space_gib * 2**30) // block_bytes, 4 * num_device_blocks)
+
+
+def small_batch_pdl(async_scheduling: bool | None, num_scheduler_steps: int) -> bool:
+    """Whether the model runner's small-batch decode graphs should capture programmatic
+    dependent launch (model_svc.cuda_graphs.PDL_MAX_BATCH): yes when steps are queued back to
+    back (overlapped scheduling, the default on CUDA, or several scheduler steps), where it
+    took batch-1 decode from 0.936 to 0.879 ms a token on the H200; no when each step is
+    launched alone and waited for (synchronous, one step: 1.210 -> 1.326 ms, measured in the
+    same call, as bench/results/latency_h200.md records)."""
+    return not (async_scheduling is False and num_scheduler_steps == 1)

@@ -74,6 +74,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enforce_eager=config.enforce_eager,
                 max_num_seqs=config.max_num_seqs,
+                small_batch_pdl=config.small_batch_pdl,
             )
         self.model = model
         self.model_config = model_config if model_config is not None else model.config

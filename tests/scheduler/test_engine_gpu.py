@@ -138,9 +138,11 @@ def test_sampling_in_the_decode_graphs_draws_as_the_runner():
 
 
 def test_programmatic_dependent_launch_changes_no_token(monkeypatch):
-    """PICOVLLM_PDL=1 only changes when kernels start, never what they compute: bf16 greedy
-    tokens with it equal those without, through the decode graphs (plain and cascade over a
-    shared prefix), the fused gate|up + SiLU kernel (40 rows) and the eager prefill."""
+    """PICOVLLM_PDL=1 (and the default, PDL in the small-batch decode graphs only) only changes
+    when kernels start, never what they compute: bf16 greedy tokens with it equal those
+    without, through the decode graphs (plain and cascade over a shared prefix; one prompt
+    alone first, in the batch-1 graph), the fused gate|up + SiLU kernel (40 rows) and the
+    eager prefill."""
     import random
 
     rng = random.Random(1)
@@ -148,12 +150,17 @@ def test_programmatic_dependent_launch_changes_no_token(monkeypatch):
     prompts = [prefix + [rng.randrange(3, 500) for _ in range(2 + i % 7)] for i in range(40)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
-    def run(pdl: str) -> list[list[int]]:
-        monkeypatch.setenv("PICOVLLM_PDL", pdl)  # read at every launch and at graph capture
+    def run(pdl: str | None) -> list[list[int]]:
+        if pdl is None:  # the default: the decode graphs of small batches only
+            monkeypatch.delenv("PICOVLLM_PDL", raising=False)
+        else:
+            monkeypatch.setenv("PICOVLLM_PDL", pdl)  # read at every launch and at graph capture
         llm = LLM(device="cuda", dtype="bfloat16", num_gpu_blocks=1024, async_scheduling=True, enable_prefix_caching=True)
         return [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)]
 
-    assert run("1") == run("0")
+    off = run("0")
+    assert run("1") == off
+    assert run(None) == off
 
 
 def test_cascade_with_fused_store_equals_separate_launches(tmp_path, monkeypatch):
