@@ -163,11 +163,9 @@ def write_result(path: str, title: str, env: dict, body: str) -> None:
 def make_llm(model: str, device: str, dtype: str | None = None, num_gpu_blocks: int | None = None, enforce_eager: bool = False, **engine_kwargs):
     """An LLM over a ModelRunner for a named config (random weights) or a local directory,
     with no tokenizer (token-id prompts). Returns (llm, runner)."""
-    from scheduler_svc.config import EngineConfig
+    from scheduler_svc.config import EngineConfig, small_batch_pdl
     from scheduler_svc.engine import LLMEngine
     from scheduler_svc.llm import LLM
-
-    from scheduler_svc.config import small_batch_pdl
 
     block_size = engine_kwargs.get("block_size", 16)
     path, runner = build_runner(

@@ -15,6 +15,7 @@ often as with the plain one."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 from pathlib import Path
@@ -39,23 +40,12 @@ def greedy_with_gaps(runner, prompts: list[list[int]], max_tokens: int, batched:
     results = []
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     gaps_hook = {}
-    orig = runner.model.compute_logits
 
-    def hooked(hidden):
-        logits = orig(hidden)  # fp32 (see LlamaForCausalLM.compute_logits)
+    def record(logits):
         values, ids = torch.topk(logits.float(), 2, dim=-1)
         gaps_hook["gap"] = list(zip((values[:, 0] - values[:, 1]).tolist(), map(tuple, ids.tolist())))
-        return logits
 
-    runner.model.compute_logits = hooked
-    # Decode steps sampled inside the graphs never call compute_logits on the host, so the hook
-    # would see no logits: sample after the graphs for the check (the same LM head and argmax;
-    # that the graphs' sampling draws as the runner's does is tests/scheduler/test_engine_gpu.py's).
-    graphs = runner.graphs
-    sample_graphs = graphs.sample_graphs if graphs is not None else None
-    if graphs is not None:
-        graphs.sample_graphs = {}
-    try:
+    with _logits_seen(runner, record):
         if batched:
             return _greedy_batched(runner, prompts, max_tokens, params, gaps_hook)
         for i, (prompt, table) in enumerate(zip(prompts, _tables(prompts, max_tokens, runner.block_size))):
@@ -69,11 +59,34 @@ def greedy_with_gaps(runner, prompts: list[list[int]], max_tokens: int, batched:
                 tokens.append(tok)
             runner.step(StepInput(finished=[seq_id]))
             results.append((tokens[len(prompt):], gaps))
+    return results
+
+
+@contextlib.contextmanager
+def _logits_seen(runner, record):
+    """Within the block, record(logits) sees the fp32 logits of every step the runner samples
+    (LlamaForCausalLM.compute_logits hooked). Decode steps sampled inside the graphs never call
+    compute_logits on the host, so the runner samples after the graphs meanwhile (the same LM
+    head and argmax; that the graphs' sampling draws as the runner's does is
+    tests/scheduler/test_engine_gpu.py's)."""
+    model, graphs = runner.model, runner.graphs
+    orig = model.compute_logits
+    sample_graphs = graphs.sample_graphs if graphs is not None else None
+
+    def hooked(hidden):
+        logits = orig(hidden)
+        record(logits)
+        return logits
+
+    model.compute_logits = hooked
+    if graphs is not None:
+        graphs.sample_graphs = {}
+    try:
+        yield
     finally:
-        runner.model.compute_logits = orig
+        model.compute_logits = orig
         if graphs is not None:
             graphs.sample_graphs = sample_graphs
-    return results
 
 
 def _tables(prompts: list[list[int]], max_tokens: int, block_size: int) -> list[list[int]]:
@@ -197,22 +210,17 @@ def reference_margins(model: str, device: str, dtype: str | None, folded: bool, 
         weights.fold_norm_weights(force=True)
     ref = ModelRunner(path, device=device, dtype=torch.float32, model=weights.float(), kernel_backend="torch", enforce_eager=True,
                       num_device_blocks=blocks)
-    seen = {}
-    orig = ref.model.compute_logits
-    ref.model.compute_logits = lambda hidden: seen.setdefault("logits", orig(hidden))
+    seen = []
     margins = []
-    try:
+    with _logits_seen(ref, seen.append):
         for tokens, x, y in cases:
-            seen.clear()
             step = SeqStep("ref", list(tokens), 0, True, 0, list(range(-(-len(tokens) // 16))),
                            SamplingParams(temperature=0, max_tokens=1), list(tokens))
             ref.step(StepInput(seqs=[step]))
             ref.step(StepInput(finished=["ref"]))
-            logits = seen["logits"][-1].float()
+            logits = seen[-1][-1].float()
             margins.append((logits[x] - logits[y]).item())
-    finally:
-        ref.model.compute_logits = orig
-    del ref, weights
+    del ref, weights, seen
     torch.cuda.empty_cache()
     return margins
 

@@ -88,10 +88,10 @@ class GraphInputs(NamedTuple):
         """Rows batch..bucket as padding: token 0 at position 0, writing nowhere, one token of
         context, block-table row `spare_row` (where the sampling graph leaves their draws),
         greedy."""
-        for field, value in zip(self[:5], (0, 0, -1, spare_row, 1)):
+        padding = ((self.input_ids, 0), (self.positions, 0), (self.slot_mapping, -1), (self.rows, spare_row),
+                   (self.seq_lens, 1), (self.greedy, 1), (self.temperature, 1.0))
+        for field, value in padding:
             field[batch:bucket] = value
-        self.greedy[batch:bucket] = 1
-        self.temperature[batch:bucket] = 1.0
 
 
 class DecodeReplay(NamedTuple):

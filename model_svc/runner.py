@@ -220,18 +220,18 @@ class ModelRunner:
         with self._state_lock:
             for s in inp.seqs:
                 self._update_seq(s)
+        self._fit_last_token()
         seqs = _longest_first(inp.seqs)
         states = [self.seqs[s.seq_id] for s in seqs]
         rows = [st.row for st in states]
         tables = self.block_tables.rows(rows, max(st.num_blocks for st in states))  # the step's block tables
         replay = self._graph_decode(seqs, states, rows, tables) if inp.num_steps == 1 else None
-        hidden = None
         if replay is not None:
             phase_times.add("runner.graph_decode", t)
             if replay.token_ids is not None:  # sampled and recorded in the graphs
                 return LaunchedStep(self, seqs, replay.token_ids[:, None])
             hidden = replay.hidden
-        if hidden is None:
+        else:
             input_ids, positions, meta, sample_rows = self._prepare(seqs, rows, tables)
             phase_times.add("runner.prepare", t)
             if inp.num_steps > 1:
@@ -264,8 +264,7 @@ class ModelRunner:
         _prepare builds it then."""
         g = self.graphs
         n = len(seqs)
-        if g is None or self._staging is None or n > g.max_batch or self._last_token is not g.last_token \
-                or self.block_tables.table.shape[0] > g.spare_row:  # rows past the graphs' token buffer
+        if g is None or self._staging is None or n > g.max_batch or self._last_token is not g.last_token:
             return None
         if tables.shape[1] > g.max_blocks or any(len(s.token_ids) != 1 or not s.sample for s in seqs):
             return None
@@ -308,15 +307,20 @@ class ModelRunner:
             return self._staging.to_device(array)
         return to_device(array, None, self.device, False)
 
-    def _remember_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Record each sampled sequence's token at its block-table row (rows: device, in
-        token_ids' order)."""
+    def _fit_last_token(self) -> None:
+        """Keep the buffer of latest samples a row longer than the block table has rows (the
+        decode graphs' padding rows use that spare one). Growing it replaces the graphs' own
+        buffer, which they were captured on: from then on _graph_decode declines."""
         capacity = self.block_tables.table.shape[0]
-        if self._last_token is None or self._last_token.numel() < capacity:
-            grown = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        if self._last_token is None or self._last_token.numel() <= capacity:
+            grown = torch.zeros(capacity + 1, dtype=torch.int64, device=self.device)
             if self._last_token is not None:
                 grown[: self._last_token.numel()] = self._last_token
             self._last_token = grown
+
+    def _remember_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Record each sampled sequence's token at its block-table row (rows: device, in
+        token_ids' order)."""
         self._last_token[rows] = token_ids.reshape(-1).to(torch.int64)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -74,6 +74,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per row; None on greedy rows (they draw no noise)
     num_logprobs: list[int | None]  # per row: top-n logprobs asked for (None = none)
     max_num_logprobs: int | None  # max over rows; None when no row asked
+    plain: bool = False  # every row greedy or temperature alone (plain_row): the one-pass kernel can sample them
 
     @classmethod
     def build(
@@ -126,6 +127,7 @@ class SamplingBatch:
             generators=[None if g else gen for g, gen in zip(greedy_rows, generators or [None] * num_rows)],
             num_logprobs=num_logprobs,
             max_num_logprobs=max(asked) if asked else None,
+            plain=all(plain_row(p) is not None for p in params_list),
         )
 
 
@@ -222,16 +224,7 @@ class Sampler:
         return (self._seed + self._calls * 0x9E3779B1) & 0x7FFFFFFF
 
     def _fused_ok(self, batch: SamplingBatch) -> bool:
-        return (
-            self.fused is not None
-            and not batch.all_greedy
-            and batch.top_k is None
-            and batch.top_p is None
-            and batch.min_p is None
-            and batch.output_tokens is None
-            and batch.max_num_logprobs is None
-            and all(g is None for g in batch.generators)
-        )
+        return self.fused is not None and batch.plain and not batch.all_greedy and all(g is None for g in batch.generators)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if self._fused_ok(batch):
