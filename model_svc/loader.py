@@ -48,6 +48,20 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+# Below this many parameters a CPU forward's matrix products are too small to split: extra
+# torch threads only wait on each other (bench/results/cpu_defaults.md).
+SMALL_MODEL_PARAMS = 100_000_000
+
+
+def cpu_threads(model: nn.Module, requested: int | None) -> int:
+    """torch's thread count for this model on the CPU: `requested` when given, else one for a
+    small model and torch's own default (one per core) for a larger one."""
+    if requested is not None:
+        return requested
+    num_params = sum(p.numel() for p in model.parameters())
+    return 1 if num_params < SMALL_MODEL_PARAMS else torch.get_num_threads()
+
+
 def load_model(
     path: str | Path,
     device: torch.device | str = "cpu",

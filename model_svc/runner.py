@@ -19,7 +19,7 @@ from kernels import select_ops
 from model_svc.attention_metadata import CASCADE_MAX_TOKENS, AttentionMetadata, shared_prefix_blocks
 from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.launched_step import LaunchedStep
-from model_svc.loader import load_model, resolve_dtype
+from model_svc.loader import cpu_threads, load_model, resolve_dtype
 from model_svc.prefill_graphs import PrefillGraphs, supports_piecewise
 from model_svc.sampler import Sampler, SamplingBatch, make_generator, plain_row
 from model_svc.step import PLACEHOLDER, SeqStep, StepInput, StepOutput
@@ -77,6 +77,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         pinned_inputs: bool = True,
         small_batch_pdl: bool = True,  # the small-batch decode graphs capture PDL (scheduler_svc.config.small_batch_pdl)
+        torch_threads: int | None = None,  # CPU only; None: loader.cpu_threads picks by model size
     ) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device)
@@ -85,6 +86,8 @@ class ModelRunner:
             model, _ = load_model(model_path, device=self.device, dtype=self.dtype, ops=self.ops)
         self.model = model
         self.config = model.config
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads(model, torch_threads))
         self.block_size = block_size
         self.enforce_eager = enforce_eager
         fused_sample = None

@@ -59,14 +59,10 @@ class ModelService:
         self.runner = runner
 
     def load(self) -> None:
-        import torch
-
         from model_svc.runner import ModelRunner
         from scheduler_svc.config import EngineConfig
 
         c = self.config
-        if c.torch_threads is not None:
-            torch.set_num_threads(c.torch_threads)
         engine = EngineConfig(  # validates the values and sizes the host pool as embedded mode does
             model=c.model, block_size=c.block_size, num_gpu_blocks=c.num_gpu_blocks, num_cpu_blocks=c.num_cpu_blocks,
             swap_space_gib=c.swap_space_gib, gpu_memory_utilization=c.gpu_memory_utilization, device=c.device, dtype=c.dtype,
@@ -77,7 +73,7 @@ class ModelService:
             num_host_blocks=lambda num_device, block_bytes: engine.resolve_num_cpu_blocks(num_device, block_bytes),
             device=c.device, dtype=c.dtype, kernel_backend=c.kernel_backend,
             device_memory_fraction=c.gpu_memory_utilization, max_num_batched_tokens=c.max_num_batched_tokens,
-            enforce_eager=c.enforce_eager, max_num_seqs=self.max_num_seqs,
+            enforce_eager=c.enforce_eager, max_num_seqs=self.max_num_seqs, torch_threads=c.torch_threads,
         )
 
     def info(self) -> ModelInfo:

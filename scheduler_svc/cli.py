@@ -62,6 +62,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
+    g.add_argument("--torch-threads", type=int, default=None,
+                   help="CPU threads for torch (default: 1 for a model under 100M parameters, else one per core)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -72,7 +74,7 @@ def engine_config_from_args(args: argparse.Namespace):
             model=args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
             enable_prefix_caching=not args.no_prefix_caching, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-            num_scheduler_steps=args.num_scheduler_steps,
+            num_scheduler_steps=args.num_scheduler_steps, torch_threads=args.torch_threads,
         )
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None

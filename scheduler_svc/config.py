@@ -32,6 +32,7 @@ class EngineConfig:
     # lower batch-1 latency on the H200, bench/NOTES.md), off on the CPU where nothing overlaps.
     async_scheduling: bool | None = None
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks)
+    torch_threads: int | None = None  # CPU threads for torch; None: one for a small model, else one per core
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -53,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
+        if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
+            raise ValueError(f"torch_threads must be a positive integer or None, got {self.torch_threads!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in (None, "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):

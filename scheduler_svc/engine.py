@@ -75,6 +75,7 @@ class LLMEngine:
                 enforce_eager=config.enforce_eager,
                 max_num_seqs=config.max_num_seqs,
                 small_batch_pdl=config.small_batch_pdl,
+                torch_threads=config.torch_threads,
             )
         self.model = model
         self.model_config = model_config if model_config is not None else model.config

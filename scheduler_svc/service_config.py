@@ -104,7 +104,7 @@ class ModelSection:
     dtype: str | None = None
     kernel_backend: str | None = None
     max_num_batched_tokens: int = 8192
-    torch_threads: int | None = None  # CPU threads for torch; None: torch's default
+    torch_threads: int | None = None  # CPU threads for torch; None: one for a small model, else one per core
     enforce_eager: bool = False  # True: no CUDA graphs
 
     def __post_init__(self) -> None:

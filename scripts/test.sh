@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Install pico-vllm with its test extras and run the test suite on the CPU.
-# Starts a throwaway redis-server when none answers on 127.0.0.1:6379 (service tests need it).
+# Installs what a newcomer gets: the newest release inside every range pyproject.toml declares
+# (upgrading older copies already on the machine), with the CPU build of torch.
+# Service tests start their own redis-server on free loopback ports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python3 -m pip install -q "torch==2.13.0" 2>/dev/null || python3 -m pip install -q torch
-python3 -m pip install -q -e ".[test]"
+TORCH="torch==2.13.0"  # the CPU wheel; a bare `torch` from the default index is the multi-GB CUDA build
+python3 -m pip install -q "$TORCH" 2>/dev/null \
+  || python3 -m pip install -q --index-url https://download.pytorch.org/whl/cpu "$TORCH"
+python3 -m pip install -q --upgrade --upgrade-strategy eager "$TORCH" -e ".[test]"
 
-# Service tests start their own redis-server on free ports: make sure the binary is there.
 if ! command -v redis-server >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null 2>&1 || true
@@ -15,5 +18,6 @@ if ! command -v redis-server >/dev/null 2>&1; then
   command -v redis-server >/dev/null 2>&1 || echo "note: redis-server not found (install it, e.g. apt-get install redis-server); tests that need Redis will be skipped" >&2
 fi
 
+python3 -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|grpcio|protobuf|redis|locust) ' | tr -s ' ' | paste -sd ';' | sed 's/^/versions: /'
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 python3 -m pytest -q "$@"

@@ -123,3 +123,27 @@ def test_bf16_model_runs_and_stays_close():
     assert l16.dtype == torch.float32  # logits from the fp32 accumulator, never rounded to bf16
     assert l16[-1].argmax() == l32[-1].argmax()
     assert (l16.float() - l32).abs().max().item() < 0.5
+
+
+def test_cpu_threads_one_for_a_small_model_else_torch_default_or_requested():
+    from model_svc.loader import SMALL_MODEL_PARAMS, cpu_threads
+
+    small, _ = load_model(BUNDLED_MODEL_DIR)
+    assert sum(p.numel() for p in small.parameters()) < SMALL_MODEL_PARAMS
+    assert cpu_threads(small, None) == 1
+    assert cpu_threads(small, 3) == 3
+    big = torch.nn.Linear(SMALL_MODEL_PARAMS // 1000, 1000, bias=False, device="meta")
+    assert cpu_threads(big, None) == torch.get_num_threads()
+
+
+def test_runner_on_cpu_sets_the_thread_count():
+    from model_svc.runner import ModelRunner
+
+    before = torch.get_num_threads()
+    try:
+        ModelRunner(str(BUNDLED_MODEL_DIR), num_device_blocks=8, device="cpu", torch_threads=2)
+        assert torch.get_num_threads() == 2
+        ModelRunner(str(BUNDLED_MODEL_DIR), num_device_blocks=8, device="cpu")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
