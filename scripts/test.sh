@@ -6,9 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TORCH="torch==2.13.0"  # the CPU wheel; a bare `torch` from the default index is the multi-GB CUDA build
-python3 -m pip install -q "$TORCH" 2>/dev/null \
-  || python3 -m pip install -q --index-url https://download.pytorch.org/whl/cpu "$TORCH"
+TORCH="torch==2.13.0"
+# The CPU wheel index: a bare `torch` from the default index is the multi-GB CUDA build.
+python3 -m pip install -q --index-url https://download.pytorch.org/whl/cpu "$TORCH"
 python3 -m pip install -q --upgrade --upgrade-strategy eager "$TORCH" -e ".[test]"
 
 if ! command -v redis-server >/dev/null 2>&1; then
