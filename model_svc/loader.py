@@ -9,6 +9,7 @@ a merged projection (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -21,6 +22,8 @@ from kernels import KernelOps, select_ops
 from model_svc.config import ModelConfig
 from model_svc.layers import MergedLinear, RMSNorm
 from model_svc.models import build_model
+
+logger = logging.getLogger(__name__)
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "bundled" / "stories260k"
 
@@ -71,6 +74,8 @@ def load_model(
     """Build the model for the directory's config and stream its safetensors weights in."""
     config = ModelConfig.from_pretrained(path)  # raises FileNotFoundError / ValueError
     files = safetensors_files(path)
+    # The checkpoint's own architecture: several families run on one model class of ours.
+    logger.info("loading %s (%s family) from %s", config.architecture, config.family, path)
     dtype = dtype or default_dtype(device)
     model = build_model(config, ops or select_ops(device), dtype, device)
     load_weights(model, iter_safetensors(files))

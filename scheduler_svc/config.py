@@ -1,11 +1,43 @@
-"""EngineConfig: one frozen config for the embedded engine, validated once."""
+"""EngineConfig: one frozen config for the embedded engine, validated once; and
+resolve_model, which every entry point uses to turn `--model` into a local directory."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 BUNDLED_MODEL = str(Path(__file__).resolve().parent.parent / "model_svc" / "bundled" / "stories260k")
+
+# Hugging Face's repo id forms, "name" or "namespace/name"; anything else is a path.
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """`--model` is neither a local directory nor a repo in the local Hugging Face cache."""
+
+
+def resolve_model(model: str) -> str:
+    """The local directory of `model`: a directory as given, else a Hugging Face repo id
+    already in the local cache (HF_HUB_CACHE, HF_HOME), found offline. The server never
+    downloads: it may run where nothing outside can be reached, and a multi-GB download
+    hidden in a start-up is not something an operator expects."""
+    if Path(model).expanduser().is_dir():
+        return str(Path(model).expanduser())
+    if not _REPO_ID.fullmatch(model):
+        raise ModelNotFoundError(f"model directory not found: {model}")
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:  # comes with transformers; without it only directories work
+        raise ModelNotFoundError(f"model directory not found: {model} (and huggingface_hub is not installed)") from None
+    try:
+        return snapshot_download(model, local_files_only=True)
+    except (ValueError, OSError):  # an invalid id (HFValidationError), or not in the cache (LocalEntryNotFoundError)
+        pass
+    raise ModelNotFoundError(
+        f"model {model!r} is not a local directory and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
+        f"this server never downloads: fetch it first with `hf download {model}` (older huggingface_hub: `huggingface-cli download`)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +94,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kernel_backend not in (None, "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'torch' or 'triton', got {self.kernel_backend!r}")
-        if not Path(self.model).is_dir():
-            raise FileNotFoundError(f"model directory not found: {self.model}")
+        # A repo id becomes its snapshot directory here, once, so that everything reading the
+        # config (the model runner, the tokenizer) gets a local directory.
+        object.__setattr__(self, "model", resolve_model(self.model))
 
     @property
     def small_batch_pdl(self) -> bool:
