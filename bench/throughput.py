@@ -1,4 +1,5 @@
-"""End-to-end offline throughput on the nano-vllm benchmark workload (BENCHMARKS.md section 3).
+"""End-to-end offline throughput on nano-vllm's benchmark workload (its bench.py: random prompts
+and output lengths). Results of the H200 runs: bench/results/throughput_h200*.md, docs/bench/.
 
     python bench/throughput.py                       # Qwen3-0.6B architecture, random bf16 weights, on the GPU
     python bench/throughput.py --model tiny --device cpu --num-seqs 16 --max-len 128   # a quick try on the CPU
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import copy_bandwidth, device_sync, environment, make_llm, matmul_flops, write_result  # noqa: E402
 from scheduler_svc import phase_times  # noqa: E402
+from scheduler_svc.cli import HelpFormatter  # noqa: E402
 
 MODEL_PHASES_BEFORE: dict[str, tuple[float, int]] = {}  # the model service's phase totals when the timed call began
 
@@ -177,20 +179,24 @@ class RunCounters:
         return ", ".join(f"{k} {sum(d[k] for d in deltas)}" for k in deltas[0]) if deltas else ""
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """The docstring as written, and each flag's default (as picovllm's own help)."""
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     ap.add_argument("--model", default="qwen3-0.6b", help="'qwen3-0.6b' or 'tiny' (random weights) or a local HF directory")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)")
     ap.add_argument("--mode", default="embedded", choices=["embedded", "service"],
                     help="service: embedded first, then the same workload through the KV-cache and model services")
-    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--num-seqs", type=int, default=256, help="requests in the workload")
     ap.add_argument("--max-len", type=int, default=1024, help="max input and output length")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-gpu-blocks", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    ap.add_argument("--num-gpu-blocks", type=int, default=None, help="device KV pool size in blocks (default: measured from free memory)")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens in one step at most")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
     ap.add_argument("--pipeline-depth", type=int, default=None,
                     help="overlapped scheduling: steps in flight before the oldest is read back (default: the engine's, 2)")
@@ -199,12 +205,12 @@ def main() -> None:
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)")
     ap.add_argument("--peer", choices=["hf"], default=None,
-                    help="hf: also time transformers' continuous batching on the same weights and workload")
+                    help="hf: also time transformers' continuous batching on the same weights and workload (default: none)")
     ap.add_argument("--warmup", choices=["tiny", "workload"], default="tiny",
                     help="before each run: two short requests, or also the workload's prompts with 16 output tokens")
     ap.add_argument("--repeats", type=int, default=1, help="time the workload this many times in one process (median reported)")
     ap.add_argument("--check", action="store_true", help="first check greedy parity of the optimized path vs the plain one")
-    ap.add_argument("--out", default=None, help="write a markdown result here")
+    ap.add_argument("--out", default=None, help="write a markdown result here (default: print only)")
     args = ap.parse_args()
 
     env = environment()

@@ -14,7 +14,7 @@ from kvcache_svc.service import KVCacheService
 from kvcache_svc.store import open_store
 from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
 from protos.picovllm.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from scheduler_svc.rpc import freeze_heap, start_server, stop_event
+from scheduler_svc.rpc import announce, freeze_heap, start_server, stop_event
 from scheduler_svc.service_config import KVCacheSection
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ async def serve(config: KVCacheSection, ready: asyncio.Event | None = None) -> N
                 pass
     freeze_heap()  # start-up is done: full collections would walk it every few dozen steps
     await running.set_serving(True)
-    logger.info("kvcache service ready on %s (store: %s)", config.address, service.store.kind)
+    announce(f"kvcache service ready: gRPC {running.address} (store: {service.store.kind})")
     if ready is not None:
         ready.set()
     await stop.wait()

@@ -23,7 +23,7 @@ from protos.picovllm.model.v1 import model_pb2 as pb
 from protos.picovllm.model.v1 import model_pb2_grpc as pb_grpc
 from scheduler_svc import phase_times
 from scheduler_svc.errors import FailedPrecondition, Unavailable
-from scheduler_svc.rpc import freeze_heap, start_server, stop_event
+from scheduler_svc.rpc import announce, freeze_heap, start_server, stop_event
 from scheduler_svc.service_config import ModelSection
 
 logger = logging.getLogger(__name__)
@@ -215,8 +215,9 @@ async def serve(config: ModelSection, max_num_seqs: int = 256) -> None:
         freeze_heap()  # the model and torch: out of the collector's sight, so no full collection stalls a step
         phase_times.configure("model", "model.wait")
         await running.set_serving(True)
-        logger.info("model service ready on %s: epoch %s, %d device / %d host blocks", config.address, service.epoch,
+        logger.info("model service epoch %s: %d device / %d host blocks", service.epoch,
                     service.runner.num_device_blocks, service.runner.num_host_blocks)
+        announce(f"model service ready: gRPC {running.address} ({service.runner.config.architecture}, {service.runner.device})")
         await stopped
     await running.set_serving(False)
     await running.server.stop(grace=5)

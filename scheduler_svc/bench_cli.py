@@ -26,7 +26,12 @@ def _bench_root() -> Path:
 
 
 def cmd_experiments(args: argparse.Namespace) -> int:
+    from scheduler_svc.cli import UsageError
+
     _bench_root()
+    # Before any work: the plots are written last, after minutes of running.
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("bench experiments draws its plots with matplotlib, which is not installed: pip install -e .[bench]")
     run = importlib.import_module("bench.experiments.run")
     run.run(args)
     return 0
@@ -51,10 +56,16 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks and the reported experiments (from a source checkout)")
-    sub = bench.add_subparsers(dest="bench_command", required=True)
+    from scheduler_svc.cli import add_log_flags
 
-    exp = sub.add_parser("experiments", help="memory, block heatmap, load sweep and step profile: JSON + PNG into --out")
+    bench = subparsers.add_parser("bench", help="benchmarks and the reported experiments (from a source checkout)",
+                                  description="Benchmarks of the bench/ folder of a source checkout.")
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+
+    exp = sub.add_parser("experiments", help="memory, block heatmap, load sweep and step profile: JSON + PNG into --out",
+                         description="Run the experiments the project reports and write <name>.json and <name>.png for each "
+                                     "into --out. Needs matplotlib (pip install -e .[bench]).")
+    add_log_flags(exp)
     # The flag set lives with the experiments; a checkout without bench/ still gets the flags.
     try:
         _bench_root()
@@ -64,16 +75,16 @@ def register(subparsers) -> None:
     add_arguments(exp)
     exp.set_defaults(func=cmd_experiments)
 
-    thr = sub.add_parser("throughput", help="offline throughput (bench/throughput.py); its flags follow",
+    thr = sub.add_parser("throughput", help="offline throughput (bench/throughput.py); its flags follow (see: bench throughput --help)",
                          add_help=False, prefix_chars="+")  # every flag after `throughput` goes to the script
     thr.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for bench/throughput.py (try --help)")
     thr.set_defaults(func=cmd_throughput)
 
 
 def _fallback_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--out", default="report")
-    ap.add_argument("--only", action="append")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="report", help="folder for the JSON and PNG files")
+    ap.add_argument("--only", action="append", help="run only this experiment (repeatable; default: all)")
+    ap.add_argument("--model", default=None, help="the model of load/steps (default: the bundled model)")
+    ap.add_argument("--device", default="cpu", help="load/steps device: cpu or cuda")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the workloads")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")

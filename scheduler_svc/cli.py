@@ -1,7 +1,10 @@
 """`picovllm`: generate (embedded), serve, client, bench.
 
-Errors a user can fix (a missing model directory, a bad flag value) print one line and exit
-with status 2; they never print a traceback.
+Errors a user can fix (a missing model directory, a bad flag value, a port that is taken)
+print one line and exit with status 2; they never print a traceback.
+
+Temperature: `generate` and `client` default to 0 (greedy: the same text every run, what one
+wants from a command line); `SamplingParams` and the gRPC API default to 1.0, as vLLM does.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from importlib import metadata
 
 from scheduler_svc.sampling_params import SamplingParams
 
@@ -17,21 +21,46 @@ class UsageError(Exception):
     """A user-facing error: printed as one line."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help, unless the help states its default itself
+    (a default of None always needs words: "measured", "none", "the model's limit")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, argparse.SUPPRESS):
+            return text
+        if action.default is False and action.nargs == 0:
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
+def add_log_flags(p: argparse.ArgumentParser, top: bool = False) -> None:
+    """-v and --log-level, accepted before the subcommand (`top`) and after it. After it they
+    default to SUPPRESS: a subcommand's own default would overwrite a flag given before it."""
+    p.add_argument("-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
+                   help="log progress (INFO) to stderr (default: warnings and errors only)")
+    p.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"), default=None if top else argparse.SUPPRESS,
+                   help="log level on stderr; wins over -v (default: WARNING, or INFO with -v)")
+
+
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[])
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--logprobs", type=int, default=None, help="top-n logprobs per generated token")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, 0 = greedy (default: 0, greedy, on the command line; "
+                        "SamplingParams and the gRPC API default to 1.0 as vLLM does)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to this total probability; 1 = off")
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this fraction of the most likely one; 0 = off")
+    g.add_argument("--seed", type=int, default=None, help="seed of this request's random draws (default: none, a new draw each run)")
+    g.add_argument("--stop", action="append", default=[], help="stop when this string is generated (repeatable; default: none)")
+    g.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[],
+                   help="stop when this token id is generated (repeatable; default: none)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages tokens of the prompt and the output; 1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from the logits of tokens already generated; 0 = off")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted once per earlier occurrence in the output; 0 = off")
+    g.add_argument("--logprobs", type=int, default=None, help="top-n log probabilities per generated token (default: none)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -46,21 +75,26 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         raise UsageError(str(exc)) from None
 
 
+MODEL_HELP = ("a local Hugging Face model directory, or a repo id (org/name) already in the local Hugging Face cache; "
+              "never downloaded")
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     from scheduler_svc.config import BUNDLED_MODEL
 
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=BUNDLED_MODEL, help="local Hugging Face model directory (default: the bundled stories260k)")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-gpu-blocks", type=int, default=None, help="device pool size in blocks")
-    g.add_argument("--num-cpu-blocks", type=int, default=None, help="host (swap) pool size in blocks")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"])
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--model", default=BUNDLED_MODEL, help=MODEL_HELP + " (default: the bundled stories260k)")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
+    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (a power of two)")
+    g.add_argument("--num-gpu-blocks", type=int, default=None, help="device KV pool size in blocks (default: measured from free memory)")
+    g.add_argument("--num-cpu-blocks", type=int, default=None, help="host (swap) KV pool size in blocks (default: 1 GiB of blocks, at most 4x the device pool)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens in one step at most (prompt chunks included)")
+    g.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"],
+                   help="what a preempted request does with its KV blocks: swap them to the host pool, or drop and recompute them")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (default: on)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (default: off, graphs on cuda)")
     g.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
     g.add_argument("--torch-threads", type=int, default=None,
                    help="CPU threads for torch (default: 1 for a model under 100M parameters, else one per core)")
@@ -107,18 +141,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
+    """Every parser of the CLI (subcommands inherit the class): one-line errors, and help
+    that states each flag's default."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # one line, not usage + error
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
 
+def package_version() -> str:
+    try:
+        return metadata.version("pico-vllm")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "(version unknown: not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="picovllm", description="pico-vllm: a small LLM inference server with a paged KV cache")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"picovllm {package_version()}", help="print the version and exit")
+    add_log_flags(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate text in this process (no server needed)")
+    gen = sub.add_parser("generate", help="generate text in this process (no server needed)",
+                         description="Generate text in this process: no server, no Redis, no GPU needed. Greedy unless --temperature is given.")
     gen.add_argument("prompt", help="the prompt text")
+    add_log_flags(gen)
     add_engine_flags(gen)
     add_sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
@@ -145,7 +196,8 @@ def _plugins():
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = args.log_level or ("INFO" if args.verbose else "WARNING")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args) or 0
     except UsageError as exc:

@@ -5,7 +5,9 @@
         for msg in c.generate("Once upon a time", max_tokens=32, temperature=0):
             print(msg.text, end="", flush=True)
 
-Needs grpcio and protobuf only (no torch).
+Needs grpcio and protobuf only (no torch). Sampling parameters left out take the server's
+defaults, which are SamplingParams' (vLLM's): temperature 1.0. `picovllm client` passes its
+own flags' defaults instead, temperature 0 (greedy).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +25,7 @@ from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 _REPEATED = ("stop", "stop_token_ids")
 
 
@@ -68,7 +72,8 @@ class Client:
             call.cancel()
 
     def complete(self, prompt: str | list[int], **kwargs: Any) -> tuple[str, list[int], pb.GenerateResponse]:
-        """The whole completion: (text, token ids, last message)."""
+        """The whole completion: (text, token ids, last message). Keywords as `generate`'s;
+        sampling left out takes the server's defaults (temperature 1.0, as vLLM's)."""
         text, ids, last = [], [], None
         for last in self.generate(prompt, **kwargs):
             text.append(last.text)
@@ -82,6 +87,22 @@ class Client:
     def model_info(self, timeout: float = 10.0) -> pb.GetModelInfoResponse:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the scheduler's grpc.health.v1 says SERVING; False after `timeout` s."""
+        from scheduler_svc import health
+
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                if health.check(self.channel, SERVICE_NAME, timeout=max(0.05, min(1.0, left))) == health.SERVING:
+                    return True
+            except grpc.RpcError:  # not up yet, or still starting
+                pass
+            if time.monotonic() + 0.1 >= deadline:
+                return False
+            time.sleep(0.1)
+
     def close(self) -> None:
         self.channel.close()
 
@@ -94,17 +115,38 @@ class Client:
 
 # ----------------------------------------------------------------- CLI
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from scheduler_svc.cli import add_sampling_flags
+    from scheduler_svc.cli import add_log_flags, add_sampling_flags
 
-    p = subparsers.add_parser("client", help="stream a completion from a running server")
-    p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--addr", default=None, help=f"scheduler address (default $PICOVLLM_SCHEDULER_ADDR or {DEFAULT_ADDRESS})")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p = subparsers.add_parser("client", help="stream a completion from a running server",
+                              description="Stream a completion from a running `picovllm serve` (greedy unless --temperature is given), "
+                                          "or with --wait-ready alone, wait until the server is ready.")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt text (may be left out with --wait-ready)")
+    p.add_argument("--addr", default=None, help=f"scheduler address (default: $PICOVLLM_SCHEDULER_ADDR, else {DEFAULT_ADDRESS})")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of the completion in seconds (default: none)")
+    p.add_argument("--wait-ready", type=float, default=None, metavar="SECONDS",
+                   help="first wait up to SECONDS for the scheduler's health to say SERVING; exit 1 if it does not "
+                        "(default: no wait, fail at once when the server is not up)")
+    add_log_flags(p)
     add_sampling_flags(p)
     p.set_defaults(func=cmd_client)
 
 
 def cmd_client(args: argparse.Namespace) -> int:
+    from scheduler_svc.cli import UsageError
+
+    if args.prompt is None and args.wait_ready is None:
+        raise UsageError("client: a prompt is required (or --wait-ready SECONDS alone)")
+    if args.wait_ready is not None:
+        with Client(args.addr) as client:
+            if not client.wait_ready(args.wait_ready):
+                print(f"picovllm: error: the scheduler at {client.address} is not ready after {args.wait_ready:g} s", file=sys.stderr)
+                return 1
+        if args.prompt is None:
+            return 0
+    return _complete(args)
+
+
+def _complete(args: argparse.Namespace) -> int:
     sampling = dict(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
         max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,

@@ -62,8 +62,18 @@ class SchedulerMetrics:
         self.generation_tokens = Counter("picovllm_generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter("picovllm_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1") -> str:
+        """Serve /metrics on host:port; returns its URL. ListenError when the port is taken."""
+        from scheduler_svc.rpc import ListenError, check_can_listen
+
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        check_can_listen(address, "metrics")
+        try:
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:  # taken since the check
+            raise ListenError(f"cannot listen on {address} (metrics): {(exc.strerror or str(exc)).lower()}") from None
+        host_part = address.rpartition(":")[0]
+        return f"http://{host_part}:{server.server_port}/metrics"
 
 
 class StreamTimer:

@@ -1,6 +1,7 @@
 """What the three gRPC servers share: an aio server with the error interceptor, grpc.health.v1
 health (NOT_SERVING until the service says it is ready), server reflection, stop signals,
-and the channel options and retry loop of the internal clients.
+the one-line messages of start-up (a port that is taken, a service that is ready), and the
+channel options and retry loop of the internal clients.
 
 grpcio-health-checking and grpcio-reflection are used when installed; without them health
 falls back to scheduler_svc.health (same protocol) and reflection is off, with a warning."""
@@ -8,10 +9,13 @@ falls back to scheduler_svc.health (same protocol) and reflection is off, with a
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
 import signal
+import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,14 +29,63 @@ from scheduler_svc.errors import ErrorInterceptor, error_from_rpc
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 << 20
-SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+_MESSAGE_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+# gRPC on Linux binds with SO_REUSEPORT by default: a second copy of a service would bind the
+# same port beside the first and the kernel would split the connections between them.
+SERVER_OPTIONS = _MESSAGE_OPTIONS + [("grpc.so_reuseport", 0)]
 # Internal clients notice a restarted peer within about a second (gRPC's default reconnect
 # backoff grows to two minutes).
-CHANNEL_OPTIONS = SERVER_OPTIONS + [
+CHANNEL_OPTIONS = _MESSAGE_OPTIONS + [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+class ListenError(OSError):
+    """An address a server cannot listen on; its message is the one line an operator sees."""
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def why_not_listen(address: str) -> str | None:
+    """Why a server could not listen on `address` now ('address already in use', 'permission
+    denied'), or None when nothing stands in the way. Binds a throwaway socket on each address
+    the host resolves to, with SO_REUSEADDR as servers use it; reasons other than a taken or
+    forbidden port (a missing IPv6 loopback, say) are left to the server's own bind."""
+    host, port = _split(address)
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r}: {exc.strerror}"
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    return os.strerror(exc.errno).lower()
+    return None
+
+
+def check_can_listen(address: str, what: str = "") -> None:
+    """Raise ListenError naming `address` when a server could not listen on it."""
+    reason = why_not_listen(address)
+    if reason is not None:
+        raise ListenError(f"cannot listen on {address}{f' ({what})' if what else ''}: {reason}")
+
+
+def announce(line: str) -> None:
+    """A start-up line for the operator on stderr, whatever the log level. `serve all` sets
+    PICOVLLM_QUIET_READY in its children and prints one line for the three."""
+    if not os.environ.get("PICOVLLM_QUIET_READY"):
+        print(f"picovllm: {line}", file=sys.stderr, flush=True)
 
 
 @dataclass(slots=True)
@@ -41,6 +94,7 @@ class RunningServer:
     health: Any  # grpc_health's aio HealthServicer, or the fallback (same `set`)
     service_names: tuple[str, ...]
     port: int
+    address: str  # where it listens, with the port it got (for "host:0")
 
     async def set_serving(self, serving: bool) -> None:
         status = health_fallback.SERVING if serving else health_fallback.NOT_SERVING  # the proto's enum numbers
@@ -71,21 +125,26 @@ def _add_reflection(server: grpc.aio.Server, names: tuple[str, ...]) -> None:
 
 async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]]) -> RunningServer:
     """Bind `address` and start; `services` are (add_XServicer_to_server, servicer, full service
-    name). Health answers NOT_SERVING until `set_serving(True)`."""
+    name). Health answers NOT_SERVING until `set_serving(True)`. ListenError when the
+    address is taken (checked first: gRPC's own bind failure logs lines of its own)."""
+    # PICOVLLM_LISTEN (set by `serve --listen`) binds elsewhere than the address peers dial,
+    # e.g. 0.0.0.0:50052 inside a container that others reach as kvcache:50052.
+    address = os.environ.get("PICOVLLM_LISTEN") or address
+    check_can_listen(address)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
     for add, servicer, _ in services:
         add(servicer, server)
     health_servicer = _add_health(server)
     names = tuple(name for _, _, name in services)
     _add_reflection(server, names)
-    # PICOVLLM_LISTEN (set by `serve --listen`) binds elsewhere than the address peers dial,
-    # e.g. 0.0.0.0:50052 inside a container that others reach as kvcache:50052.
-    address = os.environ.get("PICOVLLM_LISTEN") or address
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # taken since the check, or a host gRPC cannot bind
+        port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise ListenError(f"cannot listen on {address}: {why_not_listen(address) or 'gRPC could not bind it'}")
     await server.start()
-    running = RunningServer(server, health_servicer, names, port)
+    running = RunningServer(server, health_servicer, names, port, f"{address.rpartition(':')[0]}:{port}")
     await running.set_serving(False)
     logger.info("listening on %s (%s)", address, ", ".join(names))
     return running

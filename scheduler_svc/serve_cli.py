@@ -1,59 +1,88 @@
 """`picovllm serve scheduler|kvcache|model|all`: run the gRPC services.
 
-`all` starts the three as child processes on loopback (a one-machine deployment) and stops
-them together: SIGTERM drains the scheduler first, then stops the other two.
+`all` starts the three as child processes (a one-machine deployment) and stops them
+together: SIGTERM drains the scheduler first, then stops the other two. It checks its ports
+before it starts anything, and a child that fails at start-up stops the rest.
+
+A service that cannot start for a reason an operator can fix (a port that is taken, a missing
+model, a bad config value) says so in one line and exits with status 2; when it is ready it
+prints one line naming every address it listens on.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# flag -> (section, key, type); flags override the environment and the YAML file.
-FLAGS: dict[str, tuple[str, str, type]] = {
-    "--scheduler-addr": ("scheduler", "address", str),
-    "--kvcache-addr": ("kvcache", "address", str),
-    "--model-addr": ("model", "address", str),
-    "--redis-url": ("kvcache", "redis_url", str),
-    "--deployment": ("kvcache", "deployment", str),
-    "--metrics-port": ("scheduler", "metrics_port", int),
-    "--max-waiting": ("scheduler", "max_waiting", int),
-    "--max-num-seqs": ("scheduler", "max_num_seqs", int),
-    "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", int),
-    "--max-model-len": ("scheduler", "max_model_len", int),
-    "--preemption-mode": ("scheduler", "preemption_mode", str),
-    "--num-scheduler-steps": ("scheduler", "num_scheduler_steps", int),
-    "--drain-timeout": ("scheduler", "drain_timeout_s", float),
-    "--model": ("model", "model", str),
-    "--block-size": ("model", "block_size", int),
-    "--num-gpu-blocks": ("model", "num_gpu_blocks", int),
-    "--num-cpu-blocks": ("model", "num_cpu_blocks", int),
-    "--device": ("model", "device", str),
-    "--dtype": ("model", "dtype", str),
-    "--torch-threads": ("model", "torch_threads", int),
+# flag -> (section, key, type, help); flags override the environment and the YAML file. The
+# help gets the key's default from the default config appended (_default_text).
+FLAGS: dict[str, tuple[str, str, type, str]] = {
+    "--scheduler-addr": ("scheduler", "address", str, "the scheduler's public gRPC address, host:port"),
+    "--kvcache-addr": ("kvcache", "address", str, "the KV-cache service's gRPC address (internal)"),
+    "--model-addr": ("model", "address", str, "the model service's gRPC address (internal)"),
+    "--redis-url": ("kvcache", "redis_url", str, "Redis URL of the KV-cache metadata, e.g. redis://127.0.0.1:6379/0"),
+    "--deployment": ("kvcache", "deployment", str, "namespace of the Redis keys"),
+    "--metrics-port": ("scheduler", "metrics_port", int, "HTTP port of the Prometheus /metrics, on the scheduler's host; 0 = off"),
+    "--max-waiting": ("scheduler", "max_waiting", int, "queued requests beyond this are refused (RESOURCE_EXHAUSTED)"),
+    "--max-num-seqs": ("scheduler", "max_num_seqs", int, "sequences in one step at most"),
+    "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", int, "tokens in one step at most (prompt chunks included)"),
+    "--max-model-len": ("scheduler", "max_model_len", int, "prompt + output tokens of one request at most"),
+    "--preemption-mode": ("scheduler", "preemption_mode", str, "swap | recompute: what a preempted request does with its KV blocks"),
+    "--num-scheduler-steps": ("scheduler", "num_scheduler_steps", int, "decode steps per schedule (multi-step)"),
+    "--drain-timeout": ("scheduler", "drain_timeout_s", float, "on SIGTERM, seconds the in-flight requests may still run"),
+    "--model": ("model", "model", str, "a local Hugging Face model directory, or a repo id already in the local Hugging Face cache; never downloaded"),
+    "--block-size": ("model", "block_size", int, "tokens per KV-cache block (a power of two)"),
+    "--num-gpu-blocks": ("model", "num_gpu_blocks", int, "device KV pool size in blocks"),
+    "--num-cpu-blocks": ("model", "num_cpu_blocks", int, "host (swap) KV pool size in blocks"),
+    "--device": ("model", "device", str, "cpu or cuda"),
+    "--dtype": ("model", "dtype", str, "float32, bfloat16 or float16"),
+    "--torch-threads": ("model", "torch_threads", int, "CPU threads for torch"),
+}
+# What a default of None means, where the help cannot just show the value.
+NONE_MEANS = {
+    "redis_url": "none, metadata in memory", "max_model_len": "the model's limit", "num_gpu_blocks": "measured from free memory",
+    "num_cpu_blocks": "1 GiB of blocks, at most 4x the device pool", "device": "cuda if available, else cpu",
+    "dtype": "bfloat16 on cuda, float32 on cpu", "torch_threads": "1 for a model under 100M parameters, else one per core",
 }
 KINDS = ("scheduler", "kvcache", "model", "all")
+CHILDREN = ("kvcache", "model", "scheduler")
+
+
+def _default_text(section: str, key: str) -> str:
+    from scheduler_svc.config import BUNDLED_MODEL
+    from scheduler_svc.service_config import ServiceConfig
+
+    value = getattr(getattr(ServiceConfig(), section), key)
+    shown = "the bundled stories260k" if value == BUNDLED_MODEL else NONE_MEANS.get(key, "none") if value is None else value
+    return f"(default: {shown}; config key {section}.{key})"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve", help="run a gRPC service (scheduler, kvcache, model) or all three")
+    from scheduler_svc.cli import add_log_flags
+
+    p = subparsers.add_parser("serve", help="run a gRPC service (scheduler, kvcache, model) or all three",
+                              description="Run a gRPC service, or all three as processes on this machine. Settings come from the "
+                                          "defaults shown, then --config (or $PICOVLLM_CONFIG), then PICOVLLM_* variables, then flags.")
     p.add_argument("kind", choices=KINDS, help="which service; 'all' runs the three as processes on this machine")
-    p.add_argument("--config", default=None, help="YAML file with scheduler/kvcache/model sections (or $PICOVLLM_CONFIG)")
-    for flag, (section, key, typ) in FLAGS.items():
-        p.add_argument(flag, type=typ, default=None, help=f"{section}.{key}")
-    p.add_argument("--no-prefix-caching", action="store_true", help="scheduler.enable_prefix_caching = false")
+    p.add_argument("--config", default=None, help="YAML file with scheduler/kvcache/model sections (default: $PICOVLLM_CONFIG, else none)")
+    for flag, (section, key, typ, text) in FLAGS.items():
+        p.add_argument(flag, type=typ, default=None, help=f"{text} {_default_text(section, key)}")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (default: on; config key scheduler.enable_prefix_caching)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="scheduler.async_scheduling: pipeline the model steps, two ahead (default: on when the model service runs on a GPU)")
-    p.add_argument("--listen", default=None, help="bind this address instead of the service's own (e.g. 0.0.0.0:50052 in a container)")
+                   help="pipeline the model steps, two ahead (default: on when the model service runs on a GPU; "
+                        "config key scheduler.async_scheduling)")
+    p.add_argument("--listen", default=None,
+                   help="bind this address instead of the service's own, e.g. 0.0.0.0:50052 in a container (default: the service's address)")
+    add_log_flags(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -61,7 +90,7 @@ def config_from_args(args: argparse.Namespace):
     from scheduler_svc.service_config import load_config
 
     overrides: dict[str, dict] = {"scheduler": {}, "kvcache": {}, "model": {}}
-    for flag, (section, key, _) in FLAGS.items():
+    for flag, (section, key, _, _) in FLAGS.items():
         overrides[section][key] = getattr(args, flag[2:].replace("-", "_"))
     if args.no_prefix_caching:
         overrides["scheduler"]["enable_prefix_caching"] = False
@@ -70,8 +99,22 @@ def config_from_args(args: argparse.Namespace):
     return load_config(args.config, overrides)
 
 
+def with_local_model(config, kind: str):
+    """The config with its model and tokenizer as local directories (a repo id resolved from
+    the local Hugging Face cache), for the services of `kind` that load them."""
+    from scheduler_svc.config import resolve_model
+
+    model, scheduler = config.model, config.scheduler
+    if kind in ("model", "all"):
+        model = dataclasses.replace(model, model=resolve_model(model.model))
+    if kind in ("scheduler", "all"):
+        scheduler = dataclasses.replace(scheduler, tokenizer=resolve_model(config.tokenizer))
+    return dataclasses.replace(config, model=model, scheduler=scheduler)
+
+
 def child_argv(args: argparse.Namespace, kind: str) -> list[str]:
-    argv = [sys.executable, "-m", "scheduler_svc.cli"] + (["-v"] if args.verbose else []) + ["serve", kind]
+    argv = [sys.executable, "-m", "scheduler_svc.cli"] + (["-v"] if args.verbose else [])
+    argv += (["--log-level", args.log_level] if args.log_level else []) + ["serve", kind]
     if args.config:
         argv += ["--config", args.config]
     for flag in FLAGS:
@@ -86,41 +129,78 @@ def child_argv(args: argparse.Namespace, kind: str) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from scheduler_svc.cli import UsageError
+
+    import yaml
+
     try:
-        config = config_from_args(args)
-    except (ValueError, OSError) as exc:  # one line, exit status 2 (as the CLI's UsageError)
-        print(f"picovllm: error: {exc}", file=sys.stderr)
-        return 2
-    dirs = {"model": [config.model.model], "scheduler": [config.tokenizer], "all": [config.model.model, config.tokenizer]}
-    missing = [d for d in dirs.get(args.kind, []) if not Path(d).is_dir()]
-    if missing:
-        print(f"picovllm: error: model directory not found: {missing[0]}", file=sys.stderr)
-        return 2
+        config = with_local_model(config_from_args(args), args.kind)
+    except (ValueError, OSError, yaml.YAMLError) as exc:
+        if isinstance(exc, OSError) and exc.filename:  # the --config file
+            raise UsageError(f"cannot read {exc.filename}: {exc.strerror}") from None
+        if isinstance(exc, yaml.YAMLError):  # its message spans lines
+            path = args.config or os.environ.get("PICOVLLM_CONFIG")
+            raise UsageError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+        raise UsageError(str(exc)) from None
     if args.listen:
         if args.kind == "all":
-            print("picovllm: error: --listen applies to one service, not 'all'", file=sys.stderr)
-            return 2
+            raise UsageError("--listen applies to one service, not 'all'")
         os.environ["PICOVLLM_LISTEN"] = args.listen
     if args.kind == "all":
-        return serve_all(args)
-    if args.kind == "kvcache":
-        from kvcache_svc.server import serve
+        return serve_all(args, config)
+    try:
+        asyncio.run(_serve_one(args.kind, config))
+    except (OSError, ValueError) as exc:  # a taken port, a model that cannot load: one line (the traceback at DEBUG)
+        from scheduler_svc.rpc import ListenError
 
-        asyncio.run(serve(config.kvcache))
-    elif args.kind == "model":
-        from model_svc.server import serve as serve_model
-
-        asyncio.run(serve_model(config.model, config.scheduler.max_num_seqs))
-    else:
-        from scheduler_svc.server import serve as serve_scheduler
-
-        asyncio.run(serve_scheduler(config))
+        logger.debug("the %s service failed to start", args.kind, exc_info=True)
+        raise UsageError(str(exc) if isinstance(exc, ListenError) else f"{args.kind} service: {exc}") from None
     return 0
 
 
-def serve_all(args: argparse.Namespace) -> int:
+async def _serve_one(kind: str, config) -> None:
+    if kind == "kvcache":
+        from kvcache_svc.server import serve
+
+        await serve(config.kvcache)
+    elif kind == "model":
+        from model_svc.server import serve as serve_model
+
+        await serve_model(config.model, config.scheduler.max_num_seqs)
+    else:
+        from scheduler_svc.server import serve as serve_scheduler
+
+        await serve_scheduler(config)
+
+
+def _addresses(config) -> dict[str, str]:
+    """What `serve all` listens on, by what: the three services' gRPC and the metrics."""
+    s = config.scheduler
+    found = {kind: getattr(config, kind).address for kind in ("scheduler", "kvcache", "model")}
+    if s.metrics_port:
+        found["metrics"] = f"{s.address.rpartition(':')[0]}:{s.metrics_port}"
+    return found
+
+
+def _dial(address: str) -> str:
+    """An address to connect to for one a server listens on (a wildcard host: loopback)."""
+    host, _, port = address.rpartition(":")
+    return f"{ {'0.0.0.0': '127.0.0.1', '[::]': '[::1]'}.get(host, host)}:{port}"
+
+
+def serve_all(args: argparse.Namespace, config) -> int:
     """The three services as children; the first to exit (or a signal) stops the rest."""
-    children = {kind: subprocess.Popen(child_argv(args, kind), preexec_fn=_die_with_parent) for kind in ("kvcache", "model", "scheduler")}
+    from scheduler_svc.cli import UsageError
+    from scheduler_svc.rpc import ListenError, announce, check_can_listen, check_health
+
+    addresses = _addresses(config)
+    try:  # before any child starts: a second copy must not get half-way up
+        for what, address in addresses.items():
+            check_can_listen(address, "metrics" if what == "metrics" else "")
+    except ListenError as exc:
+        raise UsageError(str(exc)) from None
+    env = {**os.environ, "PICOVLLM_QUIET_READY": "1"}  # one readiness line, below, for the three
+    children = {kind: subprocess.Popen(child_argv(args, kind), env=env, preexec_fn=_die_with_parent) for kind in CHILDREN}
     stopping = False
 
     def on_signal(signum, frame) -> None:
@@ -129,16 +209,25 @@ def serve_all(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    code = 0
+    code, ready = 0, False
     while not stopping:
         exited = [(k, p.returncode) for k, p in children.items() if p.poll() is not None]
         if exited:
             kind, code = exited[0]
-            logger.error("%s service exited with %s; stopping the others", kind, code)
+            if code != 2:  # 2: the child has said why in its one line
+                when = "" if ready else " while starting"
+                print(f"picovllm: error: the {kind} service exited{when} (status {code}); stopping the others", file=sys.stderr)
+            code = code if code > 0 else 1
             break
+        if not ready and all(check_health(_dial(addresses[k]), timeout=0.5) for k in reversed(CHILDREN)):
+            ready = True
+            metrics = f", metrics http://{addresses['metrics']}/metrics" if "metrics" in addresses else ""
+            announce(f"ready: scheduler gRPC {addresses['scheduler']}{metrics}; kvcache gRPC {addresses['kvcache']}; "
+                     f"model gRPC {addresses['model']}")
         time.sleep(0.2)
     for kind in ("scheduler", "model", "kvcache"):  # the scheduler drains while its peers still run
-        _stop(children[kind], timeout=60 if kind == "scheduler" else 15)
+        # A start-up that failed has nothing to drain: the operator gets the prompt back soon.
+        _stop(children[kind], timeout=(60 if kind == "scheduler" else 15) if ready else 3)
     return code
 
 

@@ -21,7 +21,7 @@ from scheduler_svc.errors import InvalidArgument, NotFound, QueueFull, Unavailab
 from scheduler_svc.llm import AsyncLLM
 from scheduler_svc.metrics import SchedulerMetrics, StreamTimer
 from scheduler_svc.outputs import RequestOutput
-from scheduler_svc.rpc import start_server, stop_event
+from scheduler_svc.rpc import announce, start_server, stop_event
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.service_config import SchedulerSection, ServiceConfig
 
@@ -201,8 +201,13 @@ async def serve(config: ServiceConfig) -> None:
     metrics = SchedulerMetrics(lambda: servicer.engine)
     servicer = SchedulerServicer(s, metrics)
     running = await start_server(s.address, [(pb_grpc.add_SchedulerServiceServicer_to_server, servicer, SERVICE_NAME)])
+    listening = [f"gRPC {running.address}"]
     if s.metrics_port:
-        metrics.serve(s.metrics_port, s.address.rpartition(":")[0].strip("[]"))
+        try:
+            listening.append(f"metrics {metrics.serve(s.metrics_port, running.address.rpartition(':')[0].strip('[]'))}")
+        except OSError:
+            await running.server.stop(None)  # the port is free again before the one-line error
+            raise
     stop = stop_event()
     build = _in_daemon_thread(build_service_engine, config)
     stopped = asyncio.ensure_future(stop.wait())
@@ -210,7 +215,7 @@ async def serve(config: ServiceConfig) -> None:
     if build.done():
         servicer.llm = AsyncLLM(build.result())
         await running.set_serving(True)
-        logger.info("scheduler service ready on %s", s.address)
+        announce(f"scheduler service ready: {', '.join(listening)}")
         await stopped
     await running.set_serving(False)
     await servicer.drain(s.drain_timeout_s)

@@ -2,7 +2,7 @@
 
 Precedence, lowest first: the defaults here, the YAML file, environment variables, flags.
 
-    scheduler:  {address: "0.0.0.0:50051", metrics_port: 9400, max_waiting: 1024, ...}
+    scheduler:  {address: "127.0.0.1:50051", metrics_port: 9400, max_waiting: 1024, ...}
     kvcache:    {address: "127.0.0.1:50052", redis_url: null, deployment: default}
     model:      {address: "127.0.0.1:50053", model: <bundled stories260k>, block_size: 16, ...}
 
@@ -48,7 +48,7 @@ def _positive(section: str, obj: Any, *names: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerSection:
-    address: str = "0.0.0.0:50051"
+    address: str = "127.0.0.1:50051"
     metrics_port: int | None = 9400  # Prometheus /metrics on the scheduler's host; None or 0 = off
     tokenizer: str | None = None  # None: the model section's directory
     max_waiting: int = 1024  # queued requests beyond this get RESOURCE_EXHAUSTED

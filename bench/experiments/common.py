@@ -1,8 +1,10 @@
-"""Shared pieces: building an engine for an experiment, a length distribution, percentiles."""
+"""Shared pieces: building an engine for an experiment, a length distribution, percentiles,
+progress bars."""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
@@ -53,6 +55,17 @@ def build_engine(model: str | None = None, device: str = "cpu", *, num_gpu_block
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
     )
     return LLMEngine(EngineConfig(model=path, **common), model=runner)
+
+
+def progress(total: int, desc: str, unit: str = "req"):
+    """A tqdm bar on stderr for a run of minutes; off where stderr is not a terminal (logs)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False, dynamic_ncols=True)
+
+
+def num_finished(outputs) -> int:
+    return sum(1 for o in outputs if o.finished)
 
 
 def model_label(model: str | None) -> str:

@@ -12,11 +12,12 @@ workload with every request arriving at once, so the sweep fits any model and de
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
 
-from bench.experiments.common import build_engine, make_workload, mean, model_label, pct, sampling
+from bench.experiments.common import build_engine, make_workload, mean, model_label, pct, progress, sampling
 
 RATE_FRACTIONS = (0.2, 0.4, 0.6, 0.8, 1.0, 1.25)
 
@@ -80,7 +81,10 @@ def run(out_dir, *, model: str | None = None, device: str = "cpu", num_requests:
     max_len = min(engine.max_model_len, 1024 if on_gpu else 256)
     prompts, output_lens = make_workload(num_requests, max_len, engine.model_config.vocab_size, seed)
     serve(engine, prompts[:4], [4] * 4, np.zeros(4), device)  # warm-up
+    # One tick per run of the whole workload (not per step: the runs are timed).
+    bar = progress(1 + len(rate_fractions), "load", unit="run")
     capacity = serve(engine, prompts, output_lens, np.zeros(num_requests), device)["achieved_rps"]
+    bar.update()
     rng = np.random.default_rng(seed + 1)
     points = []
     for frac in rate_fractions:
@@ -88,9 +92,11 @@ def run(out_dir, *, model: str | None = None, device: str = "cpu", num_requests:
         arrivals = np.cumsum(rng.exponential(1.0 / rate, num_requests))
         point = serve(engine, prompts, output_lens, arrivals, device)
         points.append({"rate_fraction": frac, "rate_rps": rate, **point})
-        print(f"  load: {rate:7.2f} req/s offered -> {point['achieved_rps']:.2f} done/s, e2e mean {point['e2e']['mean'] * 1e3:.0f} ms, "
+        bar.update()
+        bar.write(f"  load: {rate:7.2f} req/s offered -> {point['achieved_rps']:.2f} done/s, e2e mean {point['e2e']['mean'] * 1e3:.0f} ms, "
               f"p99 {point['e2e']['p99'] * 1e3:.0f} ms, ttft {point['ttft']['mean'] * 1e3:.0f} ms, itl {point['itl']['mean'] * 1e3:.1f} ms",
-              flush=True)
+              file=sys.stdout)
+    bar.close()
     result = {
         "experiment": "load", "model": model_label(model), "device": str(device), "seed": seed, "environment": env or {},
         "num_requests": num_requests, "max_len": max_len, "capacity_rps": capacity,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.experiments.common import build_engine, make_workload, mean, model_label, pct, sampling
+from bench.experiments.common import build_engine, make_workload, mean, model_label, num_finished, pct, progress, sampling
 
 
 @dataclass
@@ -73,10 +73,11 @@ def record_run(engine, prompts: list[list[int]], output_lens: list[int]) -> Trac
         rid = engine.add_request(prompt, sampling(out_len))
         trace.final_tokens[rid] = len(prompt) + out_len
     t0 = time.perf_counter()
+    bar = progress(len(prompts), "memory")
     try:
         while engine.has_unfinished():
             pending.clear()
-            engine.step()
+            bar.update(num_finished(engine.step()))
             if "writes" not in pending:
                 continue
             blocks: set[int] = set()
@@ -98,6 +99,7 @@ def record_run(engine, prompts: list[list[int]], output_lens: list[int]) -> Trac
             trace.writes.append(pending["writes"])
     finally:
         del sched.schedule
+        bar.close()
     trace.wall_s = time.perf_counter() - t0
     trace.num_preemptions = sched.stats.num_preemptions
     return trace

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -19,12 +20,12 @@ from bench.experiments import EXPERIMENTS  # noqa: E402
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="report", help="folder for the JSON and PNG files (default: report)")
-    ap.add_argument("--only", choices=EXPERIMENTS, action="append", help="run only this experiment (repeatable)")
+    ap.add_argument("--only", choices=EXPERIMENTS, action="append", help="run only this experiment (repeatable; default: all)")
     ap.add_argument("--model", default=None,
                     help="load/steps: the bundled model (default), 'qwen3-0.6b' or 'tiny' (random weights) or a local model directory; "
                          "memory/heatmap always use the bundled model on the CPU")
     ap.add_argument("--device", default="cpu", help="load/steps device: cpu (default) or cuda")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the workloads (default: 0)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest for the tiny bundled model)")
 
 
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
+    if importlib.util.find_spec("matplotlib") is None:  # before any work: the plots come last
+        sys.exit("bench.experiments: the plots need matplotlib, which is not installed: pip install -e .[bench]")
     run(ap.parse_args(argv))
     return 0
 

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from bench.experiments.common import build_engine, make_workload, mean, model_label, pct, sampling
+from bench.experiments.common import build_engine, make_workload, mean, model_label, num_finished, pct, progress, sampling
 
 PHASES = ("schedule", "model", "output", "other")
 
@@ -53,6 +53,7 @@ def profile(engine, prompts, output_lens, device: str = "cpu") -> dict:
     engine.model.step = _timed(engine.model.step, cur, "model", sync)
     rows = {p: [] for p in PHASES}
     kept = []
+    bar = progress(len(prompts), "steps")
     try:
         for prompt, n in zip(prompts, output_lens):
             engine.add_request(prompt, sampling(n))
@@ -60,8 +61,9 @@ def profile(engine, prompts, output_lens, device: str = "cpu") -> dict:
             cur.clear()
             n_before = len(batched)
             t = time.perf_counter()
-            engine.step()
+            outs = engine.step()
             total = time.perf_counter() - t
+            bar.update(num_finished(outs))
             if "model" not in cur:  # nothing to run this step
                 continue
             kept.append(batched[n_before])
@@ -71,6 +73,7 @@ def profile(engine, prompts, output_lens, device: str = "cpu") -> dict:
     finally:
         for obj, name in ((sched, "schedule"), (sched, "update"), (engine, "_process"), (engine.model, "step")):
             obj.__dict__.pop(name, None)
+        bar.close()
     return {"batched_tokens": kept, **{f"{p}_ms": [round(x, 4) for x in rows[p]] for p in PHASES}}
 
 
