@@ -9,6 +9,7 @@ falls back to scheduler_svc.health (same protocol) and reflection is off, with a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gc
 import logging
@@ -17,7 +18,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,24 @@ def check_can_listen(address: str, what: str = "") -> None:
         raise ListenError(f"cannot listen on {address}{f' ({what})' if what else ''}: {reason}")
 
 
+@contextlib.contextmanager
+def _core_log_silenced() -> Iterator[None]:
+    """gRPC's C core writes a failed bind to the process's stderr itself, a line of its own
+    beside the one-line error that says the same; GRPC_VERBOSITY set keeps it (debugging)."""
+    if "GRPC_VERBOSITY" in os.environ:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def announce(line: str) -> None:
     """A start-up line for the operator on stderr, whatever the log level. `serve all` sets
     PICOVLLM_QUIET_READY in its children and prints one line for the three."""
@@ -138,7 +157,8 @@ async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grp
     names = tuple(name for _, _, name in services)
     _add_reflection(server, names)
     try:
-        port = server.add_insecure_port(address)
+        with _core_log_silenced():
+            port = server.add_insecure_port(address)
     except RuntimeError:  # taken since the check, or a host gRPC cannot bind
         port = 0
     if port == 0:

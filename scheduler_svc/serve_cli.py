@@ -130,18 +130,10 @@ def child_argv(args: argparse.Namespace, kind: str) -> list[str]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from scheduler_svc.cli import UsageError
+    from scheduler_svc.errors import PicoError
+    from scheduler_svc.rpc import ListenError
 
-    import yaml
-
-    try:
-        config = with_local_model(config_from_args(args), args.kind)
-    except (ValueError, OSError, yaml.YAMLError) as exc:
-        if isinstance(exc, OSError) and exc.filename:  # the --config file
-            raise UsageError(f"cannot read {exc.filename}: {exc.strerror}") from None
-        if isinstance(exc, yaml.YAMLError):  # its message spans lines
-            path = args.config or os.environ.get("PICOVLLM_CONFIG")
-            raise UsageError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
-        raise UsageError(str(exc)) from None
+    config = _config_or_usage_error(args)
     if args.listen:
         if args.kind == "all":
             raise UsageError("--listen applies to one service, not 'all'")
@@ -150,12 +142,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_all(args, config)
     try:
         asyncio.run(_serve_one(args.kind, config))
-    except (OSError, ValueError) as exc:  # a taken port, a model that cannot load: one line (the traceback at DEBUG)
-        from scheduler_svc.rpc import ListenError
-
+    except (OSError, ValueError, PicoError) as exc:  # a taken port, a model that cannot load, peers that never came up
         logger.debug("the %s service failed to start", args.kind, exc_info=True)
         raise UsageError(str(exc) if isinstance(exc, ListenError) else f"{args.kind} service: {exc}") from None
     return 0
+
+
+def _config_or_usage_error(args: argparse.Namespace):
+    """The config with a local model directory; any error in it as one line (UsageError)."""
+    import yaml
+
+    from scheduler_svc.cli import UsageError
+
+    try:
+        return with_local_model(config_from_args(args), args.kind)
+    except (ValueError, OSError, yaml.YAMLError) as exc:
+        if isinstance(exc, OSError) and exc.filename:  # the --config file
+            raise UsageError(f"cannot read {exc.filename}: {exc.strerror}") from None
+        if isinstance(exc, yaml.YAMLError):  # its message spans lines
+            path = args.config or os.environ.get("PICOVLLM_CONFIG")
+            raise UsageError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+        raise UsageError(str(exc)) from None
 
 
 async def _serve_one(kind: str, config) -> None:

@@ -87,10 +87,15 @@ def test_second_serve_all_is_refused_in_one_line(first, clash):
 
 
 def test_one_service_on_a_taken_port_is_one_line(first):
-    addr, _, _ = first
+    addr, metrics_port, _ = first
     proc, _ = run_cli("serve", "scheduler", "--scheduler-addr", addr["scheduler"], "--metrics-port", "0")
     assert proc.returncode == 2
     assert one_line(proc) == f"picovllm: error: cannot listen on {addr['scheduler']}: address already in use"
+    mine = f"127.0.0.1:{free_port()}"
+    proc, _ = run_cli("serve", "scheduler", "--scheduler-addr", mine, "--metrics-port", str(metrics_port))
+    assert proc.returncode == 2
+    assert one_line(proc) == f"picovllm: error: cannot listen on 127.0.0.1:{metrics_port} (metrics): address already in use"
+    assert not check_health(mine, timeout=0.3)  # its gRPC server went down with it
     with socket.socket() as held:  # a port held by another program
         held.bind(("127.0.0.1", 0))
         held.listen()
