@@ -155,17 +155,26 @@ def _complete(args: argparse.Namespace) -> int:
     )
     out = sys.stdout
     last = None
-    try:
-        with Client(args.addr, args.timeout) as client:
-            out.write(args.prompt)
-            for last in client.generate(args.prompt, **sampling):
-                out.write(last.text)
+    with Client(args.addr, args.timeout) as client:
+        try:
+            for msg in client.generate(args.prompt, **sampling):
+                out.write((args.prompt if last is None else "") + msg.text)  # the prompt once the server answers
                 out.flush()
-    except grpc.RpcError as err:
-        print(f"\npicovllm: error: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
+                last = msg
+        except grpc.RpcError as err:
+            if last is not None:
+                out.write("\n")
+                out.flush()
+            print(f"picovllm: error: {_describe(err, client.address, last is None)}", file=sys.stderr)
+            return 1
     out.write("\n")
     if args.verbose and last is not None:
         reason = pb.FinishReason.Name(last.finish_reason)
         print(f"[{last.usage.completion_tokens} tokens, {reason}]", file=sys.stderr)
     return 0
+
+
+def _describe(err: grpc.RpcError, address: str, before_any_answer: bool) -> str:
+    if err.code() == grpc.StatusCode.UNAVAILABLE and before_any_answer:
+        return f"the scheduler at {address} is unavailable: {err.details()} (is `picovllm serve` up? --wait-ready SECONDS waits for it)"
+    return f"{err.code().name}: {err.details()}"

@@ -115,6 +115,8 @@ def test_client_wait_ready(first):
     proc, seconds = run_cli("client", "--wait-ready", "1", "--addr", nothing)
     assert proc.returncode == 1 and seconds < 30
     assert one_line(proc) == f"picovllm: error: the scheduler at {nothing} is not ready after 1 s"
+    proc, _ = run_cli("client", "Once upon a time", "--addr", nothing)  # no wait: one line that says what to do
+    assert proc.returncode == 1 and proc.stdout == "" and "is unavailable" in one_line(proc) and "--wait-ready" in proc.stderr
 
 
 def test_serve_all_stops_when_a_child_fails_at_start_up(tmp_path):
