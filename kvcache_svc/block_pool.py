@@ -5,6 +5,10 @@ Every block is exactly one of
     free    ref 0, no hash, in `free_ids`
     used    ref > 0
     cached  ref 0, hashed, in `lru` (oldest first): reusable by a prefix hit until evicted
+
+Operations check their arguments with real exceptions (BlockOpError), never `assert`: under
+`python -O` a bad sequence of operations must still be refused before it changes anything,
+not corrupt a block table. check() raises AssertionError for the same reason, explicitly.
 """
 
 from __future__ import annotations
@@ -16,6 +20,17 @@ from dataclasses import dataclass
 
 # Values of BlockPool.hash_epoch, drawn from one counter: two pools' epochs never coincide.
 _hash_epochs = itertools.count()
+
+
+class BlockOpError(ValueError):
+    """A block operation that does not apply to the current state (a bug in the caller, or
+    ops replayed out of order); nothing was changed."""
+
+
+def _require(condition: bool, message: str) -> None:
+    """An invariant of check(): AssertionError, also under `python -O`."""
+    if not condition:
+        raise AssertionError(message)
 
 
 class Tier(enum.IntEnum):
@@ -78,7 +93,8 @@ class BlockPool:
     def allocate(self, num: int) -> list[int]:
         """Take `num` blocks with ref 1: free ones first, then evict least recently used
         cached ones. The caller has checked num_free_blocks."""
-        assert num <= self.num_free_blocks, (num, self.num_free_blocks)
+        if not 0 <= num <= self.num_free_blocks:
+            raise BlockOpError(f"cannot allocate {num} {self.tier.name} blocks: {self.num_free_blocks} are free")
         ids = []
         for _ in range(num):
             if self.free_ids:
@@ -93,8 +109,10 @@ class BlockPool:
 
     def acquire(self, block_id: int) -> None:
         """One more reference to an existing block (prefix hit or fork)."""
-        block = self.blocks[block_id]
+        block = self._block(block_id)
         if block.ref_count == 0:
+            if block_id not in self.lru:
+                raise BlockOpError(f"{self.tier.name} block {block_id} is free: it cannot be shared")
             del self.lru[block_id]  # a ref-0 block we may acquire is always a cached one
         block.ref_count += 1
 
@@ -109,8 +127,9 @@ class BlockPool:
             block.ref_count += 1
 
     def release(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        assert block.ref_count > 0, f"double free of block {block_id}"
+        block = self._block(block_id)
+        if block.ref_count <= 0:
+            raise BlockOpError(f"double free of {self.tier.name} block {block_id}")
         block.ref_count -= 1
         if block.ref_count == 0:
             if block.block_hash is not None:
@@ -140,6 +159,11 @@ class BlockPool:
         self.lru.clear()
         return num
 
+    def _block(self, block_id: int) -> Block:
+        if not 0 <= block_id < self.num_blocks:
+            raise BlockOpError(f"no {self.tier.name} block {block_id} (the pool has {self.num_blocks})")
+        return self.blocks[block_id]
+
     def _drop_hash(self, block: Block) -> None:
         if block.block_hash is not None:
             del self.hash_to_block[block.block_hash]
@@ -151,20 +175,18 @@ class BlockPool:
         """Invariant: every block exactly one of free/used/cached, and ref counts equal the
         number of table entries (`referenced`: block id -> count) pointing at each block."""
         free, cached = set(self.free_ids), set(self.lru)
-        assert len(free) == len(self.free_ids), "a block is twice in the free list"
-        assert not (free & cached), "a block is both free and cached"
+        _require(len(free) == len(self.free_ids), "a block is twice in the free list")
+        _require(not (free & cached), "a block is both free and cached")
         for block in self.blocks:
             refs = referenced.get(block.block_id, 0)
-            assert block.ref_count == refs, (
-                f"{self.tier.name} block {block.block_id}: ref {block.ref_count} but {refs} table entries"
-            )
+            _require(block.ref_count == refs, f"{self.tier.name} block {block.block_id}: ref {block.ref_count} but {refs} table entries")
             is_free, is_cached, is_used = block.block_id in free, block.block_id in cached, block.ref_count > 0
-            assert is_free + is_cached + is_used == 1, f"{self.tier.name} block {block.block_id} in {is_free, is_cached, is_used}"
+            _require(is_free + is_cached + is_used == 1, f"{self.tier.name} block {block.block_id} in {is_free, is_cached, is_used}")
             if is_free:
-                assert block.block_hash is None, f"free block {block.block_id} keeps a hash"
+                _require(block.block_hash is None, f"free block {block.block_id} keeps a hash")
             if is_cached:
-                assert block.block_hash is not None, f"cached block {block.block_id} has no hash"
+                _require(block.block_hash is not None, f"cached block {block.block_id} has no hash")
             if block.block_hash is not None:
-                assert self.hash_to_block.get(block.block_hash) == block.block_id
-        assert len(free) + len(cached) + sum(b.ref_count > 0 for b in self.blocks) == self.num_blocks
-        assert len(self.hash_to_block) == sum(b.block_hash is not None for b in self.blocks)
+                _require(self.hash_to_block.get(block.block_hash) == block.block_id, f"block {block.block_id}'s hash maps elsewhere")
+        _require(len(free) + len(cached) + sum(b.ref_count > 0 for b in self.blocks) == self.num_blocks, "the counts do not add up")
+        _require(len(self.hash_to_block) == sum(b.block_hash is not None for b in self.blocks), "the hash index and the blocks differ")

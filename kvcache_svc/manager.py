@@ -3,7 +3,9 @@
 It owns the two pools, each sequence's block table (logical -> physical, with its tier) and
 the prefix cache. It answers "can / cannot" and returns ids and copy lists; it never decides
 who runs or who is preempted (that is the scheduler's policy). When blocks run short an
-operation returns `NoFreeBlocks` and changes nothing.
+operation returns `NoFreeBlocks` and changes nothing; an operation that does not apply (an
+unknown or duplicate sequence, the wrong tier, positions outside the table) raises
+BlockOpError, also under `python -O`, and changes nothing either.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from hashlib import blake2b
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from kvcache_svc.block_pool import BlockPool, Tier
+from kvcache_svc.block_pool import BlockOpError, BlockPool, Tier
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,6 +123,19 @@ class KVCacheManager:
     def tier(self, seq_id: str) -> Tier:
         return self.seqs[seq_id].tier
 
+    def _seq(self, seq_id: str, tier: Tier | None = None) -> SeqBlocks:
+        """The sequence, on `tier` if given; BlockOpError otherwise."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise BlockOpError(f"no sequence {seq_id!r}")
+        if tier is not None and seq.tier != tier:
+            raise BlockOpError(f"sequence {seq_id!r} is on {seq.tier.name}, not {tier.name}")
+        return seq
+
+    def _new_seq_id(self, seq_id: str) -> None:
+        if seq_id in self.seqs:
+            raise BlockOpError(f"sequence {seq_id!r} already has blocks")
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -182,7 +197,7 @@ class KVCacheManager:
                  token_bytes: bytes | None = None) -> Allocated | NoFreeBlocks:
         """New sequence: take its longest cached prefix, then blocks for `num_new_tokens`
         more tokens (clamped to the rest of the prompt). token_bytes: see match_prefix."""
-        assert seq_id not in self.seqs, f"sequence {seq_id} already has blocks"
+        self._new_seq_id(seq_id)
         hit = self.match_prefix(token_ids, extra_key, token_bytes)
         num_new_tokens = max(1, min(num_new_tokens, len(token_ids) - hit.num_tokens))
         num_needed = self.num_blocks_for(hit.num_tokens + num_new_tokens) - len(hit.block_ids)
@@ -204,14 +219,18 @@ class KVCacheManager:
     def append_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> Appended | NoFreeBlocks:
         """Make room to write positions [num_computed, num_computed + num_new). A block that
         will be written while shared (ref > 1, e.g. after a fork) is copied first."""
-        seq = self.seqs[seq_id]
-        assert seq.tier == Tier.DEVICE, f"sequence {seq_id} is swapped out"
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.tier != Tier.DEVICE:
+            seq = self._seq(seq_id, Tier.DEVICE)  # raises why not
         pool, bs = self.device, self.block_size
         first_written = num_computed_tokens // bs
         blocks = seq.block_ids
         if first_written == len(blocks) - 1 and num_computed_tokens + num_new_tokens <= len(blocks) * bs \
                 and pool.blocks[blocks[first_written]].ref_count == 1:
             return Appended([])  # the common decode: room left in an unshared last block
+        if num_new_tokens < 0 or not 0 <= num_computed_tokens <= len(blocks) * bs:
+            raise BlockOpError(f"sequence {seq_id!r}: cannot write {num_new_tokens} tokens at {num_computed_tokens} "
+                               f"({len(blocks)} blocks of {bs})")
         shared = [i for i in range(first_written, len(seq.block_ids)) if pool.blocks[seq.block_ids[i]].ref_count > 1]
         num_grow = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - len(seq.block_ids))
         num_needed = num_grow + len(shared)
@@ -236,13 +255,16 @@ class KVCacheManager:
         position token_offset (a tail holding at least the blocks not hashed yet)."""
         if not self.enable_prefix_caching:
             return
-        seq = self.seqs[seq_id]
+        seq = self._seq(seq_id)
         if seq.tier != Tier.DEVICE:
             return
         bs, first = self.block_size, seq.num_hashed_blocks
         end = min(num_computed_tokens // bs, len(seq.block_ids))
         if end <= first:
             return
+        if not 0 <= token_offset <= first * bs or token_offset + len(token_ids) < end * bs:
+            raise BlockOpError(f"sequence {seq_id!r}: tokens from {token_offset} ({len(token_ids)} of them) do not cover "
+                               f"blocks {first} to {end - 1}")
         tail = token_ids[first * bs - token_offset : end * bs - token_offset]
         for i, block_hash in enumerate(chain_hashes(tail, bs, 0, end - first, seq.last_hash, seq.extra_key), first):
             tokens = tuple(tail[(i - first) * bs : (i - first + 1) * bs])
@@ -251,15 +273,16 @@ class KVCacheManager:
 
     def free(self, seq_id: str) -> None:
         """Drop a sequence; its blocks go back tail first, so tails are evicted first."""
-        seq = self.seqs.pop(seq_id)
+        seq = self._seq(seq_id)
+        del self.seqs[seq_id]
         pool = self.pools[seq.tier]
         for block_id in reversed(seq.block_ids):
             pool.release(block_id)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent; writes into shared blocks copy first."""
-        parent = self.seqs[parent_id]
-        assert child_id not in self.seqs
+        parent = self._seq(parent_id)
+        self._new_seq_id(child_id)
         pool = self.pools[parent.tier]
         for block_id in parent.block_ids:
             pool.acquire(block_id)
@@ -274,8 +297,7 @@ class KVCacheManager:
         return self._move(seq_id, Tier.HOST, Tier.DEVICE)
 
     def _move(self, seq_id: str, src_tier: Tier, dst_tier: Tier) -> list[tuple[int, int]] | NoFreeBlocks:
-        seq = self.seqs[seq_id]
-        assert seq.tier == src_tier, f"sequence {seq_id} is on {seq.tier.name}, not {src_tier.name}"
+        seq = self._seq(seq_id, src_tier)
         src, dst = self.pools[src_tier], self.pools[dst_tier]
         if len(seq.block_ids) > dst.num_free_blocks:
             return NoFreeBlocks(len(seq.block_ids), dst.num_free_blocks, dst_tier)
