@@ -21,10 +21,11 @@ from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.launched_step import LaunchedStep
 from model_svc.loader import cpu_threads, load_model, resolve_dtype
 from model_svc.prefill_graphs import PrefillGraphs, supports_piecewise
-from model_svc.sampler import Sampler, SamplingBatch, make_generator, plain_row
+from model_svc.sampler import Sampler, SamplingBatch, make_generator, plain_row, row_problem
 from model_svc.step import PLACEHOLDER, SeqStep, StepInput, StepOutput
 from model_svc.transfer import PinnedStaging, to_device
 from scheduler_svc import phase_times
+from scheduler_svc.errors import SequenceFailed
 
 if TYPE_CHECKING:
     from model_svc.cuda_graphs import DecodeReplay
@@ -250,7 +251,7 @@ class ModelRunner:
                 states = [self.seqs[s.seq_id] for s in seqs]
         t = phase_times.start()
         logits = self.model.compute_logits(hidden)
-        result = self.sampler(logits, self._sampling_batch(states))
+        result = self.sampler(logits, self._sampling_batch(states), seqs)  # a row that fails alone: SequenceFailed
         table_rows = self._rows if len(seqs) == len(inp.seqs) else self._h2d(np.asarray([st.row for st in states], dtype=np.int64))
         self._remember_sampled(table_rows, result.token_ids)
         phase_times.add("runner.sample", t)
@@ -360,11 +361,11 @@ class ModelRunner:
     def _update_seq(self, s: SeqStep) -> None:
         state = self.seqs.get(s.seq_id)
         if state is None or s.sampling is not None:
-            if s.sampling is None:
-                raise KeyError(f"unknown sequence {s.seq_id!r}: its first step must carry sampling params")
+            problem = "its first step must carry sampling params" if s.sampling is None else row_problem(s.sampling, self.config.vocab_size)
+            if problem is not None:
+                raise SequenceFailed(s.seq_id, problem)
             if state is None:
-                seed = getattr(s.sampling, "seed", None)
-                gen = make_generator(seed, self.device) if seed is not None else None
+                gen = make_generator(s.sampling.seed, self.device) if getattr(s.sampling, "seed", None) is not None else None
                 prompt = list(s.prompt_token_ids or [])
                 state = _SeqState(s.sampling, len(prompt), token_ids=prompt, generator=gen, row=self.block_tables.acquire(),
                                   plain=plain_row(s.sampling))
@@ -376,7 +377,7 @@ class ModelRunner:
         end = s.start_pos + len(fed)
         if fed and fed[-1] == PLACEHOLDER:
             if not state.sampled:
-                raise ValueError(f"sequence {s.seq_id!r}: a placeholder token, but no step has sampled it yet")
+                raise SequenceFailed(s.seq_id, "a placeholder token, but no step has sampled it yet")
             if len(state.token_ids) >= end:
                 fed = fed[:-1] + [state.token_ids[end - 1]]  # its result was already read back
         state.sampled |= s.sample
@@ -385,7 +386,7 @@ class ModelRunner:
             state.token_ids.extend([-1] * (s.start_pos - len(state.token_ids)))
         state.token_ids.extend(fed)
         if end > state.num_blocks * self.block_size:
-            raise ValueError(f"sequence {s.seq_id!r}: {end} tokens but only {state.num_blocks} blocks")
+            raise SequenceFailed(s.seq_id, f"{end} tokens but only {state.num_blocks} blocks")
 
     def _prepare(self, seqs: list[SeqStep], rows: list[int], tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, SeqStep]]]:
         """Flatten the batch (rows: the sequences' rows of the persistent host block table,

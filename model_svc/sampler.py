@@ -5,10 +5,15 @@ top-k -> top-p -> exponential-race sampling. Per-request knobs arrive as Samplin
 objects (duck-typed: model_svc does not import the scheduler) and become (B,) tensors once per
 step in SamplingBatch.build. A seeded request draws its noise from its own torch.Generator,
 so its tokens do not depend on what else is in the batch.
+
+A batch that fails is sampled again row by row, and the first row that fails alone is named
+(SequenceFailed, with the row's sequence id), so that the scheduler fails that sequence only; row_problem checks a sequence's
+knobs against the vocabulary when it arrives, before it is ever in a batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -17,6 +22,7 @@ import numpy as np
 import torch
 
 from model_svc.transfer import to_device
+from scheduler_svc.errors import SequenceFailed
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +32,16 @@ _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """One per seeded request, kept by the caller across steps."""
     return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+def row_problem(params: Any, vocab_size: int) -> str | None:
+    """Why a sequence's knobs cannot be sampled with this vocabulary (None: they can)."""
+    if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
+        return f"logprobs {params.logprobs} is not in [0, {vocab_size}] (the vocabulary size)"
+    seed = getattr(params, "seed", None)
+    if seed is not None and not -(1 << 63) <= seed < (1 << 64):
+        return f"seed {seed} is not a 64-bit integer"
+    return None
 
 
 def is_greedy(params: Any) -> bool:
@@ -130,6 +146,13 @@ class SamplingBatch:
             plain=all(plain_row(p) is not None for p in params_list),
         )
 
+    def row(self, i: int) -> SamplingBatch:
+        """Row i alone, as a batch of one."""
+        cut = {f.name: getattr(self, f.name)[i : i + 1] for f in dataclasses.fields(self)
+               if isinstance(getattr(self, f.name), (torch.Tensor, list))}
+        n = self.num_logprobs[i]
+        return dataclasses.replace(self, **cut, all_greedy=bool(self.greedy[i]), max_num_logprobs=n, plain=False)
+
 
 @dataclass(slots=True)
 class SamplerOutput:
@@ -226,7 +249,21 @@ class Sampler:
     def _fused_ok(self, batch: SamplingBatch) -> bool:
         return self.fused is not None and batch.plain and not batch.all_greedy and all(g is None for g in batch.generators)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, seqs: Sequence[Any] | None = None) -> SamplerOutput:
+        """Sample every row. seqs: the rows' sequences (with a seq_id); when the batch fails,
+        SequenceFailed names the first one that fails alone (the batch's own error when none
+        does, or without seqs)."""
+        try:
+            return self._sample_batch(logits, batch)
+        except Exception as exc:
+            for i in range(logits.shape[0] if seqs is not None else 0):
+                try:
+                    self._sample_batch(logits[i : i + 1], batch.row(i))
+                except Exception as row_exc:  # noqa: BLE001 - named in SequenceFailed
+                    raise SequenceFailed(seqs[i].seq_id, f"sampling failed: {row_exc!r}") from row_exc
+            raise exc
+
+    def _sample_batch(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if self._fused_ok(batch):
             seed = self.next_seed()
             try:
@@ -260,4 +297,4 @@ class Sampler:
         sampled = logprobs.gather(1, out.token_ids.unsqueeze(1))  # (B, 1)
         out.logprobs = sampled.squeeze(1)
         out.ranks = (logprobs > sampled).sum(dim=-1) + 1
-        out.top_logprobs, out.top_token_ids = logprobs.topk(max_n, dim=-1)
+        out.top_logprobs, out.top_token_ids = logprobs.topk(min(max_n, logprobs.shape[-1]), dim=-1)

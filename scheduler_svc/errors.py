@@ -3,17 +3,23 @@
 Services raise plain domain exceptions; servicers never pick status codes themselves. The
 same interceptor is installed on all three services.
 
-    ValueError / InvalidArgument  -> INVALID_ARGUMENT  (a request that can never run)
+    ValueError / InvalidArgument  -> INVALID_ARGUMENT  (a request that can never run;
+                                                        also a request message that does not parse)
     QueueFull                     -> RESOURCE_EXHAUSTED
+    OutOfRange                    -> OUT_OF_RANGE      (a request that outgrew the KV cache)
     NotFound                      -> NOT_FOUND
     Unavailable                   -> UNAVAILABLE       (a peer is down past the deadline)
     FailedPrecondition            -> FAILED_PRECONDITION (state out of step: resync)
+    SequenceFailed                -> INVALID_ARGUMENT  (a model step that fails for one sequence)
+    RequestFailed                 -> INTERNAL          (one request failed; the others go on)
     anything else                 -> INTERNAL
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -46,12 +52,50 @@ class FailedPrecondition(PicoError):
     pass
 
 
+class OutOfRange(PicoError):
+    """A request that cannot go on within the server's limits (it outgrew the KV cache)."""
+
+
+class RequestFailed(PicoError):
+    """One request failed on its own (an error in its stop checks, detokenization or
+    sampling); the requests beside it are not affected."""
+
+
+class SequenceFailed(PicoError, ValueError):
+    """A model step failed because of one sequence, named in the message in a form that
+    survives a gRPC status (the scheduler reads it back with `failed_seq_id` and fails that
+    request alone)."""
+
+    def __init__(self, seq_id: str, why: str) -> None:
+        super().__init__(f"sequence {json.dumps(seq_id)} failed: {why}")
+        self.seq_id = seq_id
+
+
+_FAILED_SEQ = re.compile(r'sequence ("(?:[^"\\]|\\.)*") failed: ')
+
+
+def failed_seq_id(exc: BaseException) -> str | None:
+    """The sequence a SequenceFailed (or an error carrying its message, e.g. from a remote
+    model service) names; None for any other error."""
+    if isinstance(exc, SequenceFailed):
+        return exc.seq_id
+    match = _FAILED_SEQ.search(str(exc))
+    if match is None:
+        return None
+    try:
+        seq_id = json.loads(match.group(1))
+    except ValueError:
+        return None
+    return seq_id if isinstance(seq_id, str) else None
+
+
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (OutOfRange, grpc.StatusCode.OUT_OF_RANGE),
 )
 
 
@@ -69,8 +113,33 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort(code, str(exc) or type(exc).__name__)
 
 
+class _Malformed:
+    """What a request message that does not parse deserializes to: the handler answers
+    INVALID_ARGUMENT instead of gRPC's UNKNOWN for a deserializer that raised."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError and kin: the caller's bytes
+            return _Malformed(f"malformed request message: {exc}")
+
+    return parse
+
+
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
         try:
             return await behavior(request, context)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never lost
@@ -83,6 +152,8 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
 
 def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
         try:
             async for item in behavior(request, context):
                 yield item
@@ -95,7 +166,8 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps domain exceptions raised by unary-unary, unary-stream and stream-stream handlers to status codes."""
+    """Maps domain exceptions raised by unary-unary, unary-stream and stream-stream handlers to
+    status codes; a unary request message that does not parse gets INVALID_ARGUMENT."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -103,10 +175,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+                _wrap_unary(handler.unary_unary), _tolerant(handler.request_deserializer), handler.response_serializer)
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+                _wrap_stream(handler.unary_stream), _tolerant(handler.request_deserializer), handler.response_serializer)
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
                 _wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
