@@ -3,10 +3,17 @@
 add_request -> step() -> RequestOutputs. Text exists only here: prompts are tokenized on
 the way in and generated ids detokenized incrementally on the way out; the KV-cache and
 model sides see ids only.
+
+A request that fails fails alone: everything a step could fail on is checked per request at
+admission (RequestLimits, the vocabulary, max_model_len); an error in one request's stop
+checks, detokenization or logprobs ends that request only; a model step that raises ends the
+request it names (SequenceFailed), or else the requests of that step, and the others are
+recomputed. A failed request's last output has finish_reason "abort" and `error` set.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import operator
@@ -23,9 +30,10 @@ from model_svc.step import StepInput, StepOutput
 from scheduler_svc import phase_times
 from scheduler_svc.config import EngineConfig
 from scheduler_svc.detokenizer import DetokenizerState, IncrementalDetokenizer
+from scheduler_svc.errors import OutOfRange, RequestFailed, failed_seq_id
 from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.request import Request
-from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.sampling_params import RequestLimits, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -91,6 +99,7 @@ class LLMEngine:
                             config.num_scheduler_steps, self._max_model_len(model, config)), self.kv
         )
         self.max_model_len = self.scheduler.config.max_model_len
+        self.limits = RequestLimits()  # per-request caps (service mode: the scheduler section's)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
@@ -104,6 +113,7 @@ class LLMEngine:
         self.async_scheduling = bool(overlap) and hasattr(model, "launch") and config.num_scheduler_steps == 1
         self._inflight: deque[tuple[SchedulerOutput, Any]] = deque()  # (SchedulerOutput, LaunchedStep) on the device, oldest first
         self._next: SchedulerOutput | None = None  # step k+1, scheduled while step k runs
+        self._failing: SchedulerOutput | None = None  # the step whose model call is under way
 
     def _max_model_len(self, model, config: EngineConfig) -> int:
         limit = min(self.model_config.max_position_embeddings, model.num_device_blocks * config.block_size)
@@ -113,14 +123,18 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self._prompt_tokens(prompt)[0]
 
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> None:
+        """What can be checked before any work (tokenizing above all): the prompt's length in
+        characters or tokens and the request limits. ValueError naming the field."""
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompt token ids")
+        self.limits.check_prompt(prompt, self.max_model_len)
+        params.check_limits(self.limits, self.model_config.vocab_size)
+
     def _prompt_tokens(self, prompt: str | list[int]) -> tuple[list[int], bytes | None]:
         """The prompt's token ids, checked, and for given ids the same as int64 bytes (the
         check makes them; the prefix-cache lookup hashes them)."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompt token ids")
-            if not prompt:
-                raise ValueError("prompt must not be empty")
             return list(self.tokenizer.encode(prompt)), None
         prompt = prompt if isinstance(prompt, (list, tuple)) else list(prompt)
         if not prompt:
@@ -137,12 +151,10 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.check_request(prompt, params)
         token_ids, token_bytes = self._prompt_tokens(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {self.max_model_len - 1} (max_model_len {self.max_model_len})")
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be < vocab size {vocab}")
         req = Request(request_id, token_ids, params, self.eos_token_ids, cache_salt, prompt_bytes=token_bytes)
         self.scheduler.add(req)
         self.requests[request_id] = req
@@ -168,15 +180,26 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        if self.async_scheduling:
-            return self._step_overlapped()
+        self._failing = None
+        try:
+            if self.async_scheduling:
+                return self._step_overlapped()
+            return self._step_sync()
+        except Exception as exc:
+            if self._failing is None:  # not a model call: the engine's own state is in question
+                raise
+            return self._contain(exc)
+
+    def _step_sync(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         inp = sched.step
         if inp.is_empty():
             if self.scheduler.has_unfinished() and not self.scheduler.running:
-                raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
+                return self._unblock()
             return []
+        self._failing = sched
         result = self.model.step(inp)
+        self._failing = None
         outputs = self._process(sched, result)
         self.scheduler.update(sched)  # after the tokens fed by multi-step sub-steps are appended
         return outputs
@@ -200,7 +223,9 @@ class LLMEngine:
         launched = None
         if not inp.is_empty():
             t = phase_times.start()
+            self._failing = sched
             launched = self._launch(sched)
+            self._failing = None
             self._inflight.append((sched, launched))
             phase_times.add("engine.launch", t)
         was_inflight = bool(self._inflight)
@@ -211,7 +236,7 @@ class LLMEngine:
         else:
             self._idle_step()
             if not was_inflight and self.scheduler.has_unfinished() and not self.scheduler.running:
-                raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
+                outputs += self._unblock()
         phase_times.add("engine.update", t)
         t = phase_times.start()
         if self.scheduler.has_unfinished():
@@ -233,9 +258,12 @@ class LLMEngine:
         first above all) come out a step or two sooner, and nothing waits for that."""
         outputs: list[RequestOutput] = []
         while len(self._inflight) > keep or (self._inflight and _finished(self._inflight[0][1])):
-            sched, launched = self._inflight.popleft()
+            sched, launched = self._inflight[0]
             t = phase_times.start()
+            self._failing = sched
             result = launched.result()
+            self._failing = None
+            self._inflight.popleft()
             phase_times.add("engine.wait", t)
             t = phase_times.start()
             outputs += self._process(sched, result)
@@ -250,20 +278,28 @@ class LLMEngine:
             req = s.request
             if not s.sample or req.finished:
                 continue
-            token = sampled[req.request_id]
-            req.num_pending -= 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if req.sampling.logprobs is not None and token.logprob is not None:
-                req.logprobs.append((token.logprob, token.top_logprobs or []))
-            for token_id in (token.token_id, *token.extra_token_ids):
-                req.token_ids.append(token_id)
-                self._check_stop(req)
-                if req.finished:  # tokens sampled past a stop are dropped
-                    break
-            if self.stream_outputs or req.finished:
-                outputs.append(self._output(req))
+            try:
+                out = self._process_one(req, sampled[req.request_id], now)
+            except Exception as exc:  # noqa: BLE001 - this request's own phases: it fails alone
+                logger.exception("request %s failed while its tokens were processed", req.request_id)
+                out = self._fail(req, RequestFailed(f"request {req.request_id} failed: {exc!r}"))
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _process_one(self, req: Request, token: Any, now: float) -> RequestOutput | None:
+        """Append one request's sampled token(s): stop checks, detokenization, its output."""
+        req.num_pending -= 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.sampling.logprobs is not None and token.logprob is not None:
+            req.logprobs.append((token.logprob, token.top_logprobs or []))
+        for token_id in (token.token_id, *token.extra_token_ids):
+            req.token_ids.append(token_id)
+            self._check_stop(req)
+            if req.finished:  # tokens sampled past a stop are dropped
+                break
+        return self._output(req) if self.stream_outputs or req.finished else None
 
     def _check_stop(self, req: Request) -> None:
         params, stream = req.sampling, self._streams[req.request_id]
@@ -289,6 +325,61 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
         req.stop_reason = stop_reason
         self.scheduler.finish(req, reason)
+
+    # ----------------------------------------------------------------- failures
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """End one request with `error` (its blocks freed); its last output, finish_reason
+        "abort" and `error` set, without the text still held back."""
+        self.scheduler.finish(req, "abort")
+        stream = self._streams.pop(req.request_id, None)
+        self.requests.pop(req.request_id, None)
+        text = stream.detok.text[: stream.emitted_text] if stream is not None else ""
+        return RequestOutput(req.request_id, stream.prompt if stream is not None else None, req.prompt_token_ids,
+                             req.output_token_ids, text, "abort", True, num_cached_tokens=req.num_cached_tokens, error=error)
+
+    def _contain(self, exc: Exception) -> list[RequestOutput]:
+        """A model step raised. The request it names fails alone (SequenceFailed); when it
+        names none, the requests of that step fail. Every other unfinished request is
+        recomputed, since the failed step (and any in flight with it) may have run in part."""
+        sched, self._failing = self._failing, None
+        assert sched is not None
+        self._abandon_inflight()
+        seq_id = failed_seq_id(exc)
+        in_step = [s.request for s in sched.scheduled if not s.request.finished]
+        culprits = [r for r in in_step if r.request_id == seq_id] or in_step
+        logger.error("a model step failed (%s); failing %s, recomputing the other requests", exc,
+                     ", ".join(r.request_id for r in culprits[:8]) + (" ..." if len(culprits) > 8 else ""))
+        # The failed step's sequences to forget may not have reached the model: send them again.
+        self.scheduler.pending_finished.extend(sched.step.finished)
+        outputs = [self._fail(r, RequestFailed(f"request {r.request_id} failed in a model step: {exc}")) for r in culprits]
+        self.scheduler.recompute_all()
+        return outputs
+
+    def _abandon_inflight(self) -> None:  # their requests are recomputed
+        self._inflight.clear()
+        self._next = None
+
+    def _unblock(self) -> list[RequestOutput]:
+        """Nothing runs and nothing could be scheduled: a waiting request needs more blocks
+        than the device pool has (the pool shrank after it was admitted). It fails alone with
+        OUT_OF_RANGE; with no such request the engine is stuck for another reason."""
+        pool = self.scheduler.kv.device.num_blocks
+        stuck = [r for r in self.scheduler.waiting if self.scheduler.kv.num_blocks_for(r.num_tokens + 1) > pool]
+        if not stuck:
+            raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
+        return [self._fail(r, OutOfRange(f"request {r.request_id} has {r.num_tokens} tokens; the KV cache holds at most "
+                                         f"{pool * self.scheduler.kv.block_size - 1} (max_model_len {self.max_model_len})"))
+                for r in stuck]
+
+    def set_max_model_len(self, max_model_len: int) -> list[RequestOutput]:
+        """A new limit (the device pool changed size): requests that no longer fit in it fail
+        alone with OUT_OF_RANGE, the others finish by length at the new limit."""
+        self.max_model_len = max_model_len
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, max_model_len=max_model_len)
+        unfinished = [*self.scheduler.running, *self.scheduler.swapped, *self.scheduler.waiting]
+        return [self._fail(r, OutOfRange(f"request {r.request_id} has {r.num_tokens} tokens; after the model service "
+                                         f"restarted the limit is {max_model_len - 1} (max_model_len {max_model_len})"))
+                for r in unfinished if r.num_tokens >= max_model_len]
 
     def _output(self, req: Request) -> RequestOutput:
         stream = self._streams[req.request_id]

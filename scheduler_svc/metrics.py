@@ -60,7 +60,9 @@ class SchedulerMetrics:
         self.e2e = Histogram("picovllm_e2e_request_latency_seconds", "Request latency, arrival to finish", buckets=_E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("picovllm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("picovllm_generation_tokens", "Tokens generated", registry=r)
-        self.requests = Counter("picovllm_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        # finish_reason: stop, length or abort (finished), cancelled (the client went away) or
+        # error (failed after admission: a request refused at admission is not counted)
+        self.requests = Counter("picovllm_requests", "Requests by how they ended", ["finish_reason"], registry=r)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> str:
         """Serve /metrics on host:port; returns its URL. ListenError when the port is taken."""

@@ -29,7 +29,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None  # per generated token: id -> logprob
-    error: str | None = None  # set when the request was aborted by a failure
+    error: Exception | None = None  # the failure that ended this request alone (finish_reason "abort")
 
     @property
     def outputs(self) -> list[CompletionOutput]:

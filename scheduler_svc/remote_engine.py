@@ -10,7 +10,11 @@ step's tokens are used only once both answers are in. Around them:
   returns no outputs; the next step() (after queued adds and aborts are applied) tries the
   same step again. Requests whose deadline passes meanwhile are failed by the front end.
 - A model service with a new epoch (it restarted): the KV pools are reset to the new epoch
-  and every unfinished request is recomputed from its prompt and generated tokens.
+  and every unfinished request is recomputed from its prompt and generated tokens. Limits
+  that follow from the pool (max_model_len) are taken from the new epoch: a request that no
+  longer fits fails alone with OUT_OF_RANGE.
+- A model step that fails for another reason: the request it names fails alone, else those
+  of the step (LLMEngine._contain); the others are recomputed.
 - A KV service out of step with the local copy: the client resyncs, and the requests are
   recomputed on the resynced state (the model's answer for that step is dropped).
 - A KV service down while the model answered: the model's answer is kept with the step and
@@ -42,6 +46,7 @@ from scheduler_svc.config import EngineConfig
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.rpc import freeze_heap
+from scheduler_svc.sampling_params import RequestLimits
 from scheduler_svc.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -97,6 +102,7 @@ class ServiceEngine(LLMEngine):
         self._pending: SchedulerOutput | None = None  # scheduled, not yet run by the model
         self._result: StepOutput | None = None  # the model's answer for _pending, its KV commit not yet confirmed
         self._restarted = False  # the model came back empty: recompute before the next step
+        self._failed: list[RequestOutput] = []  # requests failed by a recovery, returned by the next step()
         self.num_steps = 0
         self.num_recoveries = 0
         pipelined = config.async_scheduling
@@ -112,8 +118,12 @@ class ServiceEngine(LLMEngine):
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        if self.pipelined:
-            return self._step_pipelined()
+        self._failing = None
+        outputs = self._step_pipelined() if self.pipelined else self._step_once()
+        failed, self._failed = self._failed, []
+        return failed + outputs
+
+    def _step_once(self) -> list[RequestOutput]:
         try:
             if self._restarted:
                 self._recompute_after_restart()
@@ -126,10 +136,12 @@ class ServiceEngine(LLMEngine):
                 self.kv.commit(timeout)
                 self._pending, self.unavailable = None, None
                 if self.scheduler.has_unfinished() and not self.scheduler.running:
-                    raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
+                    return self._unblock()
                 return []
             if self._result is None:
+                self._failing = sched
                 self._result = self._run_model(inp, timeout)
+                self._failing = None
             else:  # the model ran this step already; only its KV commit is owed
                 self.kv.commit(timeout)
             result = self._result
@@ -143,9 +155,11 @@ class ServiceEngine(LLMEngine):
         except KVOutOfSync as exc:
             self._recompute_after_resync(str(exc))
             return []
-        except Exception:  # unexpected (the front end fails the open streams): do not retry it
+        except Exception as exc:  # unexpected: not retried
             self._pending, self._result = None, None
-            raise
+            if self._failing is None:  # not the model's answer (the front end fails the open streams)
+                raise
+            return self._contain(exc)
         self._pending, self._result, self.unavailable = None, None, None
         self.num_steps += 1
         outputs = self._process(sched, result)
@@ -164,9 +178,11 @@ class ServiceEngine(LLMEngine):
         except (ModelRestarted, ModelUnavailable, KVUnavailable, KVOutOfSync) as exc:
             self._abandon_pipeline(exc)
             return []
-        except Exception:
-            self._settle()
-            raise
+        except Exception as exc:
+            if self._failing is None:
+                self._settle()
+                raise
+            return self._contain(exc)
 
     def _launch(self, sched: SchedulerOutput) -> _RemoteStep:
         timeout = self._timeout(sched)
@@ -179,6 +195,9 @@ class ServiceEngine(LLMEngine):
 
     def _idle_step(self) -> None:
         self.kv.commit()
+
+    def _abandon_inflight(self) -> None:
+        self._settle()
 
     def _settle(self) -> None:
         """Wait for whatever is in flight (its outcome no longer matters) and forget it."""
@@ -240,6 +259,7 @@ class ServiceEngine(LLMEngine):
         self.kv.reset(pool_config(self.model, self.config.enable_prefix_caching))
         self.scheduler.recompute_all()
         self.scheduler.pending_finished.clear()  # the new model process knows no sequence
+        self._failed += self.set_max_model_len(self._max_model_len(self.model, self.config))
         self._restarted = False
         self.num_recoveries += 1
         self.kv.commit()
@@ -300,6 +320,8 @@ def build_service_engine(config: Any, skip_tokenizer_init: bool = False) -> Serv
     logger.info("connected: model %s (epoch %s, %d/%d blocks), kvcache %s (%s state)", info.model, info.epoch,
                 info.num_device_blocks, info.num_host_blocks, config.kvcache.address, "adopted" if adopted else "reset")
     engine = ServiceEngine(engine_config, model, kv, None if skip_tokenizer_init else load_tokenizer(config.tokenizer))
+    engine.limits = RequestLimits(max_logprobs=s.max_logprobs, max_stop_strings=s.max_stop_strings,
+                                  max_stop_chars=s.max_stop_chars, max_prompt_chars=s.max_prompt_chars)
     engine.scheduler.pending_finished.extend(leftover)  # the model service forgets them with the first step
     freeze_heap()  # start-up is done: full collections would walk torch, gRPC and the tokenizer every few dozen steps
     return engine

@@ -142,7 +142,8 @@ def _add_reflection(server: grpc.aio.Server, names: tuple[str, ...]) -> None:
     reflection.enable_server_reflection(names + (health_fallback.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
 
-async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]]) -> RunningServer:
+async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+                       options: Sequence[tuple[str, Any]] = ()) -> RunningServer:
     """Bind `address` and start; `services` are (add_XServicer_to_server, servicer, full service
     name). Health answers NOT_SERVING until `set_serving(True)`. ListenError when the
     address is taken (checked first: gRPC's own bind failure logs lines of its own)."""
@@ -150,7 +151,8 @@ async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grp
     # e.g. 0.0.0.0:50052 inside a container that others reach as kvcache:50052.
     address = os.environ.get("PICOVLLM_LISTEN") or address
     check_can_listen(address)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    # `options` override SERVER_OPTIONS by name (the public server's smaller message limit).
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=list({**dict(SERVER_OPTIONS), **dict(options)}.items()))
     for add, servicer, _ in services:
         add(servicer, server)
     health_servicer = _add_health(server)

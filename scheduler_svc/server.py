@@ -3,6 +3,11 @@
 A thin servicer: proto <-> domain at the boundary, AsyncLLM over a ServiceEngine behind it.
 Health is NOT_SERVING until both peers answered and the KV state is in sync; SIGTERM stops
 new requests, lets the in-flight ones finish (bounded), then stops.
+
+Limits come before work: gRPC itself refuses a message over `max_request_bytes`
+(RESOURCE_EXHAUSTED), then the request's sizes (prompt characters or tokens, stop strings,
+logprobs, ids) are checked (INVALID_ARGUMENT), and only then is a text prompt tokenized, on
+a thread of its own, so that a long prompt never holds up the engine's steps.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
@@ -22,7 +28,7 @@ from scheduler_svc.llm import AsyncLLM
 from scheduler_svc.metrics import SchedulerMetrics, StreamTimer
 from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.rpc import announce, start_server, stop_event
-from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.sampling_params import RequestLimits, SamplingParams
 from scheduler_svc.service_config import SchedulerSection, ServiceConfig
 
 logger = logging.getLogger(__name__)
@@ -31,6 +37,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "logprobs", "skip_special_tokens")
+# Ids travel with every step of a request (the request id is the sequence id on the internal wire).
+MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 1024
 
 
 # ----------------------------------------------------------------- proto <-> domain
@@ -39,11 +48,20 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(stop=list(m.stop), stop_token_ids=list(m.stop_token_ids), ignore_eos=m.ignore_eos, **kwargs)
 
 
-def generate_from_pb(m: pb.GenerateRequest) -> tuple[str | list[int], SamplingParams, str, str | None]:
-    """(prompt, sampling, request id, cache salt); ValueError for what can never run."""
+def generate_from_pb(m: pb.GenerateRequest, limits: RequestLimits | None = None) -> tuple[str | list[int], SamplingParams, str, str | None]:
+    """(prompt, sampling, request id, cache salt); ValueError for what can never run. With
+    `limits`, the repeated fields' counts are checked before they are converted."""
     kind = m.WhichOneof("prompt")
     if kind is None:
         raise InvalidArgument("a prompt is required (text or token_ids)")
+    if len(m.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id has {len(m.request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
+    if len(m.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(f"cache_salt has {len(m.cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}")
+    if limits is not None and len(m.sampling.stop) > limits.max_stop_strings:
+        raise InvalidArgument(f"stop: a count of {len(m.sampling.stop)} is over the limit of {limits.max_stop_strings}")
+    if limits is not None and len(m.sampling.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidArgument(f"stop_token_ids: a count of {len(m.sampling.stop_token_ids)} is over the limit of {limits.max_stop_token_ids}")
     prompt: str | list[int] = m.text if kind == "text" else list(m.token_ids.ids)
     params = sampling_from_pb(m.sampling) if m.HasField("sampling") else SamplingParams()
     return prompt, params, m.request_id or uuid.uuid4().hex, m.cache_salt or None
@@ -83,6 +101,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.llm: AsyncLLM | None = None
         self.active: set[str] = set()
         self.draining = False
+        # Text prompts are tokenized here, off the engine's thread (the tokenizer lets go of
+        # the GIL while it works); one thread, so that one tokenizer is never entered twice.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     @property
     def engine(self) -> Any:
@@ -97,12 +118,14 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         llm = self._ready()
-        prompt, params, request_id, salt = generate_from_pb(request)
-        if request_id in self.active:
-            raise InvalidArgument(f"request_id {request_id!r} is already in use")
-        sched = self.engine.scheduler
+        engine = self.engine
+        sched = engine.scheduler
         if len(self.active) - len(sched.running) - len(sched.swapped) >= self.config.max_waiting:
             raise QueueFull(f"{self.config.max_waiting} requests are already waiting")
+        prompt, params, request_id, salt = generate_from_pb(request, engine.limits)
+        engine.check_request(prompt, params)  # before any work: the prompt's size, the request limits
+        if request_id in self.active:
+            raise InvalidArgument(f"request_id {request_id!r} is already in use")
         remaining = context.time_remaining()
         now = time.monotonic()
         deadline = None if remaining is None else now + remaining
@@ -110,15 +133,26 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             self.engine.deadlines[request_id] = deadline
         self.active.add(request_id)
         timer = StreamTimer(self.metrics, now)
+        ended = "cancelled"  # how it ended, unless it finishes: the client went away, or "error"
         try:
+            if isinstance(prompt, str):
+                prompt = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, engine.tokenize, prompt)
             async for out in self._stream(llm.generate(prompt, params, request_id, salt), deadline, request_id):
+                if out.error is not None:
+                    raise out.error
                 timer.on_output(time.monotonic(), len(out.delta_token_ids))
                 if out.finished:
+                    ended = ""
                     timer.on_finish(time.monotonic(), len(out.prompt_token_ids), out.finish_reason)
                 yield output_to_pb(out)
+        except Exception:
+            ended = "error"
+            raise
         finally:
             self.active.discard(request_id)
             self.engine.deadlines.pop(request_id, None)
+            if ended and self.metrics is not None:
+                self.metrics.requests.labels(ended).inc()
 
     async def _stream(self, outputs: AsyncIterator[RequestOutput], deadline: float | None, request_id: str) -> AsyncIterator[RequestOutput]:
         """The engine's outputs; a little before the deadline, a request stuck behind a peer
@@ -200,7 +234,10 @@ async def serve(config: ServiceConfig) -> None:
     s = config.scheduler
     metrics = SchedulerMetrics(lambda: servicer.engine)
     servicer = SchedulerServicer(s, metrics)
-    running = await start_server(s.address, [(pb_grpc.add_SchedulerServiceServicer_to_server, servicer, SERVICE_NAME)])
+    # The public server's own message limit, far below the internal services' (gRPC refuses a
+    # larger request with RESOURCE_EXHAUSTED before any of it is parsed).
+    running = await start_server(s.address, [(pb_grpc.add_SchedulerServiceServicer_to_server, servicer, SERVICE_NAME)],
+                                 options=[("grpc.max_receive_message_length", s.max_request_bytes)])
     listening = [f"gRPC {running.address}"]
     if s.metrics_port:
         try:

@@ -64,11 +64,20 @@ class SchedulerSection:
     retry_window_s: float = 1.0  # how long one engine step retries a peer that is down
     startup_timeout_s: float = 600.0  # waiting for the peers at start
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may still run
+    # Limits of one request, checked before any work (sampling_params.RequestLimits):
+    max_request_bytes: int = 4 << 20  # a larger Generate message gets RESOURCE_EXHAUSTED from gRPC
+    max_prompt_chars: int | None = None  # None: max_model_len x 16 characters
+    max_logprobs: int = 20  # top-n logprobs per token (never above the vocabulary)
+    max_stop_strings: int = 64
+    max_stop_chars: int = 4096  # all stop strings of a request together
 
     def __post_init__(self) -> None:
         _check_address("scheduler.address", self.address)
         _positive("scheduler", self, "max_waiting", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps",
-                  "rpc_timeout_s", "retry_window_s", "startup_timeout_s")
+                  "rpc_timeout_s", "retry_window_s", "startup_timeout_s", "max_request_bytes", "max_prompt_chars")
+        for name in ("max_logprobs", "max_stop_strings", "max_stop_chars"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"scheduler.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"scheduler.metrics_port must be a port number, got {self.metrics_port!r}")
         if self.preemption_mode not in ("swap", "recompute"):
