@@ -307,9 +307,10 @@ class LLMEngine:
         delta = self._detokenizer(params.skip_special_tokens).step(stream.detok, req.token_ids) if self.tokenizer is not None else ""
         if params.stop and delta:
             text = stream.detok.text
-            longest = max(len(s) for s in params.stop)
-            start = max(0, len(text) - len(delta) - longest + 1)
-            hits = [(text.find(s, start), s) for s in params.stop]
+            # Each string is searched only where it could end in the new text: a long one
+            # does not make every short one scan its window too.
+            end = len(text) - len(delta) + 1
+            hits = [(text.find(s, max(0, end - len(s))), s) for s in params.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 idx, s = min(hits)
