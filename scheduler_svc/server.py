@@ -104,6 +104,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         # Text prompts are tokenized here, off the engine's thread (the tokenizer lets go of
         # the GIL while it works); one thread, so that one tokenizer is never entered twice.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._tokenizing: dict[str, bool] = {}  # request id -> aborted meanwhile
 
     @property
     def engine(self) -> Any:
@@ -133,10 +134,14 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             self.engine.deadlines[request_id] = deadline
         self.active.add(request_id)
         timer = StreamTimer(self.metrics, now)
-        ended = "cancelled"  # how it ended, unless it finishes: the client went away, or "error"
+        ended = "cancelled"  # the label it is counted under, unless it finishes: the client went away, or "error"
         try:
             if isinstance(prompt, str):
-                prompt = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, engine.tokenize, prompt)
+                prompt = await self._tokenize(prompt, request_id)
+                if prompt is None:  # aborted while it was tokenized: it never reached the engine
+                    ended = "abort"
+                    yield pb.GenerateResponse(request_id=request_id, finish_reason=pb.FINISH_REASON_ABORT)
+                    return
             async for out in self._stream(llm.generate(prompt, params, request_id, salt), deadline, request_id):
                 if out.error is not None:
                     raise out.error
@@ -145,6 +150,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                     ended = ""
                     timer.on_finish(time.monotonic(), len(out.prompt_token_ids), out.finish_reason)
                 yield output_to_pb(out)
+        except ValueError:  # refused by the engine at admission (the prompt's tokens): not counted
+            ended = ""
+            raise
         except Exception:
             ended = "error"
             raise
@@ -153,6 +161,15 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             self.engine.deadlines.pop(request_id, None)
             if ended and self.metrics is not None:
                 self.metrics.requests.labels(ended).inc()
+
+    async def _tokenize(self, text: str, request_id: str) -> list[int] | None:
+        """The prompt's token ids, from the tokenizer thread; None when Abort came meanwhile."""
+        self._tokenizing[request_id] = False
+        try:
+            token_ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.engine.tokenize, text)
+        finally:
+            aborted = self._tokenizing.pop(request_id)
+        return None if aborted else token_ids
 
     async def _stream(self, outputs: AsyncIterator[RequestOutput], deadline: float | None, request_id: str) -> AsyncIterator[RequestOutput]:
         """The engine's outputs; a little before the deadline, a request stuck behind a peer
@@ -186,7 +203,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         llm = self._ready()
         if request.request_id not in self.active:
             raise NotFound(f"no running request {request.request_id!r}")
-        llm.abort(request.request_id)
+        if request.request_id in self._tokenizing:
+            self._tokenizing[request.request_id] = True
+        else:
+            llm.abort(request.request_id)
         return pb.AbortResponse()
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:

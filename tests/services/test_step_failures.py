@@ -159,3 +159,23 @@ def test_request_failing_in_its_step_gets_internal_and_the_others_complete(sched
     assert results["victim"] == grpc.StatusCode.INTERNAL
     assert [results[f"n{i}"] for i in range(len(prompts))] == expected
     engine.kv.check_invariants()
+
+
+def test_abort_while_the_prompt_is_tokenized_ends_the_stream(scheduler_server, monkeypatch):
+    """Tokenizing happens before the engine knows the request: an Abort then still ends it."""
+    import time
+
+    from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
+    from scheduler_svc.client import Client
+
+    server, engine = scheduler_server
+    tokenize = engine.tokenize
+    monkeypatch.setattr(engine, "tokenize", lambda text: (time.sleep(0.5), tokenize(text))[1])
+    with Client(server.address, timeout=30) as c:
+        stream = c.generate("Once upon a time", request_id="early", temperature=0.0, max_tokens=50)
+        aborter = threading.Timer(0.2, c.abort, args=("early",))
+        aborter.start()
+        messages = list(stream)
+        aborter.join()
+    assert [m.finish_reason for m in messages] == [pb.FINISH_REASON_ABORT] and not messages[0].token_ids
+    assert "early" not in engine.requests
