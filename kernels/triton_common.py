@@ -179,6 +179,15 @@ def round_to(x, dt: tl.constexpr, FIX_BF16: tl.constexpr):
 
 
 @triton.jit
+def mask_and(mask, cond):
+    """mask & cond for a scalar condition cond (a comparison of program ids or bounds): the
+    same select-and once compiled. Spelled as a select because the interpreter (Triton 3.6 to
+    3.9) broadcasts a scalar comparison as integers, not booleans, so `mask & cond` comes out
+    an int32 mask there, which Triton 3.9's interpreter refuses in loads and stores."""
+    return tl.where(cond, mask, False)
+
+
+@triton.jit
 def row_rstd(sums_ptr, offs_m, m_mask, num_parts, hidden, eps, PARTS: tl.constexpr):
     """RMSNorm's 1 / sqrt(mean(x^2) + eps) of rows offs_m, from their sums of squares in
     num_parts parts (row-major (rows, num_parts) fp32, PARTS >= num_parts a power of two):

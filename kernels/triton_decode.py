@@ -29,6 +29,7 @@ from kernels.triton_common import (
     fix_bf16_rounding,
     interpreting,
     load_rows,
+    mask_and,
     mma,
     mma_pv,
     next_pow2,
@@ -193,7 +194,7 @@ def _decode_split_kernel(
         out = acc / l_safe[:, None]
         lse = m_i + tl.log2(l_safe)
         row = (seq.to(tl.int64) * num_q_heads + q_heads) * num_splits + split  # (GROUP_PAD,)
-        used = g_mask & (split < num_used)
+        used = mask_and(g_mask, split < num_used)
         tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=used[:, None])
         tl.store(part_lse_ptr + row, lse, mask=used)
 

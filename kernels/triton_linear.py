@@ -32,6 +32,7 @@ from kernels.triton_common import (
     dot_precision,
     fix_bf16_rounding,
     interpreting,
+    mask_and,
     mma,
     next_pow2,
     num_sms,
@@ -90,7 +91,7 @@ def _gemv_kernel(
         for k0 in tl.static_range(0, K, BLOCK_K):
             k = k0 + offs_k
             for r in tl.static_range(ROWS):
-                h = _norm_input(x_ptr + r * stride_xm + k, res_ptr + r * stride_rm + k, (k < K) & (r < M), HAS_RESIDUAL, dt, FIX_BF16)
+                h = _norm_input(x_ptr + r * stride_xm + k, res_ptr + r * stride_rm + k, mask_and(k < K, r < M), HAS_RESIDUAL, dt, FIX_BF16)
                 rstd += tl.where(offs_m == r, tl.sum(h * h, axis=0), 0.0)
         rstd = tl.rsqrt(rstd / K + eps)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
@@ -103,7 +104,7 @@ def _gemv_kernel(
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         for r in tl.static_range(ROWS):  # one row at a time: the weight tile is shared
             x_row = x_ptr + r * stride_xm + k
-            xm = k_mask & (r < M)
+            xm = mask_and(k_mask, r < M)
             if SILU_MUL:  # x is [gate | up] (M, 2K): the input is silu(gate) * up, rounded as torch does
                 gate = tl.load(x_row, mask=xm, other=0.0).to(tl.float32)
                 up = tl.load(x_row + K, mask=xm, other=0.0).to(tl.float32)
@@ -112,7 +113,7 @@ def _gemv_kernel(
             elif NORM:  # as kernels.triton_fused.rms_norm: round(round(h * rstd) * weight)
                 h = _norm_input(x_row, res_ptr + r * stride_rm + k, xm, HAS_RESIDUAL, dt, FIX_BF16)
                 if HAS_RESIDUAL:
-                    tl.store(new_res_ptr + r * stride_nrm + k, h.to(dt), mask=xm & (pid == 0))
+                    tl.store(new_res_ptr + r * stride_nrm + k, h.to(dt), mask=mask_and(xm, pid == 0))
                 this_rstd = tl.sum(tl.where(offs_m == r, rstd, 0.0), axis=0)
                 normed = round_to(h * this_rstd, dt, FIX_BF16).to(tl.float32)
                 x = round_to(tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32) * normed, dt, FIX_BF16).to(tl.float32)
