@@ -203,11 +203,14 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         llm = self._ready()
         if request.request_id not in self.active:
             raise NotFound(f"no running request {request.request_id!r}")
-        if request.request_id in self._tokenizing:
-            self._tokenizing[request.request_id] = True
-        else:
-            llm.abort(request.request_id)
+        self._abort(llm, request.request_id)
         return pb.AbortResponse()
+
+    def _abort(self, llm: AsyncLLM, request_id: str) -> None:
+        if request_id in self._tokenizing:  # the engine does not know it yet
+            self._tokenizing[request_id] = True
+        else:
+            llm.abort(request_id)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         if self.llm is None:
@@ -223,7 +226,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         if self.active and self.llm is not None:
             logger.warning("drain timeout: aborting %d requests", len(self.active))
             for request_id in list(self.active):
-                self.llm.abort(request_id)
+                self._abort(self.llm, request_id)
             end = time.monotonic() + 5
             while self.active and time.monotonic() < end:
                 await asyncio.sleep(0.05)
