@@ -42,6 +42,7 @@ from kvcache_svc.ops import (
 from kvcache_svc.state import KVState, import_state
 from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
 from protos.picovllm.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from scheduler_svc.auth import with_token
 from scheduler_svc.errors import FailedPrecondition, Unavailable
 from scheduler_svc.rpc import CHANNEL_OPTIONS, call_with_retry
 
@@ -344,13 +345,15 @@ class GrpcTransport:
     """The KV-cache service over gRPC (a blocking channel: the engine loop runs in a thread).
     ApplyStep's answer is taken serialized (see the module docstring)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str | None = None) -> None:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.KVCacheServiceStub(self.channel)
-        self._apply_step_raw = self.channel.unary_unary(
+        # `token`: the internal token, presented on every call (scheduler_svc.auth).
+        self._apply_step_raw = with_token(self.channel.unary_unary(
             _APPLY_STEP_PATH, request_serializer=pb.ApplyStepRequest.SerializeToString, response_deserializer=None,
-            _registered_method=True)
+            _registered_method=True), token)
+        self._get_state = with_token(self.stub.GetState, token)
         self._what = f"kvcache {address} ApplyStep"
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-apply-step")
 
@@ -387,7 +390,7 @@ class GrpcTransport:
         return first
 
     def get_state(self, retry_until: float, timeout: float) -> KVState:
-        resp = call_with_retry(self.stub.GetState, pb.GetStateRequest(), retry_until, timeout, f"kvcache {self.address} GetState", KVUnavailable)
+        resp = call_with_retry(self._get_state, pb.GetStateRequest(), retry_until, timeout, f"kvcache {self.address} GetState", KVUnavailable)
         return convert.state_from_pb(resp.state)
 
     def close(self) -> None:

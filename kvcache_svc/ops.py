@@ -12,16 +12,31 @@ from dataclasses import dataclass
 
 from kvcache_svc.manager import Allocated, Appended, KVCacheManager, NoFreeBlocks
 
+# A pool's metadata costs about a hundred bytes a block: the cap keeps a reset that asks for
+# absurd pools (a bug, or a crafted call) from taking the KV-cache service's memory, far
+# above what a device or host pool of today holds (a pool of 2^24 blocks is ~1.6 GiB here).
+MAX_POOL_BLOCKS = 1 << 24
+MAX_BLOCK_SIZE = 1 << 16
+
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
-    """The pools' geometry and the model-service epoch their contents belong to."""
+    """The pools' geometry and the model-service epoch their contents belong to. ValueError
+    for sizes beyond the caps, before any pool is built."""
 
     num_device_blocks: int
     num_host_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
     epoch: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("num_device_blocks", "num_host_blocks"):
+            n = getattr(self, name)
+            if not 0 <= n <= MAX_POOL_BLOCKS:
+                raise ValueError(f"{name} must be within 0..{MAX_POOL_BLOCKS}, got {n}")
+        if not 0 < self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be within 1..{MAX_BLOCK_SIZE}, got {self.block_size}")
 
     def new_manager(self) -> KVCacheManager:
         return KVCacheManager(self.num_device_blocks, self.num_host_blocks, self.block_size, self.enable_prefix_caching)

@@ -1,7 +1,9 @@
 """The KV-cache gRPC service (picovllm.kvcache.v1): a thin servicer over KVCacheService.
 
-Start-up reloads the metadata store (Redis) before health turns SERVING. The service is
-driven by one scheduler; calls are handled one at a time on the event loop.
+Start-up reloads the metadata store (Redis) before health turns SERVING; afterwards health
+follows the store (NOT_SERVING while Redis does not answer its pings). The service is driven
+by one scheduler; calls are handled one at a time on the event loop. With a token, every
+call but health and reflection must present it (scheduler_svc.auth).
 """
 
 from __future__ import annotations
@@ -49,10 +51,33 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         return pb.CheckInvariantsResponse(ok=error is None, error=error or "")
 
 
-async def serve(config: KVCacheSection, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGTERM/SIGINT."""
+STORE_PING_INTERVAL_S = 1.0
+
+
+async def _follow_store(service: KVCacheService, running) -> None:
+    """Health NOT_SERVING while the metadata store does not answer, SERVING once it does."""
+    healthy = True
+    while True:
+        await asyncio.sleep(STORE_PING_INTERVAL_S)
+        try:
+            await asyncio.to_thread(service.store.ping)  # a blocking client: off the event loop
+            now_healthy = True
+        except Exception as exc:  # noqa: BLE001 - any failure to answer
+            now_healthy, why = False, exc
+        if now_healthy != healthy:
+            if now_healthy:
+                logger.warning("metadata store answers again: serving")
+            else:
+                logger.warning("metadata store not answering (%s): not serving", why)
+            healthy = now_healthy
+            await running.set_serving(healthy)
+
+
+async def serve(config: KVCacheSection, ready: asyncio.Event | None = None, token: str | None = None) -> None:
+    """Run until SIGTERM/SIGINT. `token`: the internal token callers must present."""
     service = KVCacheService(open_store(config.redis_url, config.deployment))
-    running = await start_server(config.address, [(pb_grpc.add_KVCacheServiceServicer_to_server, KVCacheServicer(service), SERVICE_NAME)])
+    running = await start_server(config.address, [(pb_grpc.add_KVCacheServiceServicer_to_server, KVCacheServicer(service), SERVICE_NAME)],
+                                 auth_token=token)
     stop = stop_event()
     while True:  # Redis may come up after us: keep trying, NOT_SERVING meanwhile
         try:
@@ -70,7 +95,10 @@ async def serve(config: KVCacheSection, ready: asyncio.Event | None = None) -> N
     announce(f"kvcache service ready: gRPC {running.address} (store: {service.store.kind})")
     if ready is not None:
         ready.set()
+    follow = asyncio.ensure_future(_follow_store(service, running)) if service.store.persistent else None
     await stop.wait()
+    if follow is not None:
+        follow.cancel()
     await running.set_serving(False)
     await running.server.stop(grace=5)
     service.store.close()

@@ -49,6 +49,9 @@ class MemoryStore:
     def write_step(self, manager: KVCacheManager, step: int, dirty_seqs: set[str], result: bytes) -> None:
         pass
 
+    def ping(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -68,6 +71,10 @@ class RedisStore:
 
     def _key(self, name: str) -> str:
         return self.prefix + name
+
+    def ping(self) -> None:
+        """Raises when Redis does not answer (within the client's socket timeout)."""
+        self.redis.ping()
 
     def _keys(self) -> list[str]:
         names = ["meta", "result", "seqs"] + [f"{k}:{int(t)}" for k in ("blocks", "free", "lru") for t in Tier]

@@ -27,6 +27,7 @@ from model_svc.step import StepInput, StepOutput
 from protos.picovllm.model.v1 import model_pb2 as pb
 from protos.picovllm.model.v1 import model_pb2_grpc as pb_grpc
 from scheduler_svc import phase_times
+from scheduler_svc.auth import call_metadata, with_token
 from scheduler_svc.errors import FailedPrecondition, Unavailable, error_from_rpc
 from scheduler_svc.rpc import CHANNEL_OPTIONS, RETRYABLE, call_with_retry
 
@@ -71,12 +72,16 @@ def info_from_pb(m: pb.GetInfoResponse) -> RemoteModelInfo:
 
 
 class RemoteModel:
-    def __init__(self, address: str, rpc_timeout_s: float = 30.0, retry_window_s: float = 1.0) -> None:
+    def __init__(self, address: str, rpc_timeout_s: float = 30.0, retry_window_s: float = 1.0, token: str | None = None) -> None:
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
         self.retry_window_s = retry_window_s
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.ModelServiceStub(self.channel)
+        # `token`: the internal token, presented on every call (scheduler_svc.auth).
+        self.metadata = call_metadata(token)
+        self._get_info = with_token(self.stub.GetInfo, token)
+        self._step = with_token(self.stub.Step, token)
         self.info: RemoteModelInfo | None = None
         self.num_steps = 0
         self.step_seconds = 0.0
@@ -108,7 +113,7 @@ class RemoteModel:
         """The service's current info (its epoch may be new); ModelUnavailable if it does not
         answer within `window_s` (default: the retry window)."""
         window = self.retry_window_s if window_s is None else window_s
-        resp = call_with_retry(self.stub.GetInfo, pb.GetInfoRequest(), time.monotonic() + window,
+        resp = call_with_retry(self._get_info, pb.GetInfoRequest(), time.monotonic() + window,
                                min(self.rpc_timeout_s, max(window, 0.05)), f"model {self.address} GetInfo", ModelUnavailable)
         return info_from_pb(resp)
 
@@ -125,7 +130,7 @@ class RemoteModel:
         start = time.monotonic()
         t = self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
         try:
-            resp = call_with_retry(self.stub.Step, request, start + self.retry_window_s, t, f"model {self.address} Step", ModelUnavailable)
+            resp = call_with_retry(self._step, request, start + self.retry_window_s, t, f"model {self.address} Step", ModelUnavailable)
         except FailedPrecondition as exc:  # another epoch: the service restarted
             raise ModelRestarted(str(exc)) from None
         finally:
@@ -181,7 +186,7 @@ class _StepStream:
         except grpc.FutureTimeoutError:
             self.broken = ModelUnavailable(f"model {self.address} not ready within {model.retry_window_s} s")
             return
-        self._call = model.stub.StepStream(iter(self._requests.get, None))
+        self._call = model.stub.StepStream(iter(self._requests.get, None), metadata=model.metadata)
         threading.Thread(target=self._read, name="model-stream", daemon=True).start()
 
     def send(self, request: pb.StepRequest) -> Future:

@@ -200,12 +200,14 @@ def _settle(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, result: Any
         pass
 
 
-async def serve(config: ModelSection, max_num_seqs: int = 256) -> None:
-    """Load the model (NOT_SERVING meanwhile), serve until SIGTERM/SIGINT."""
+async def serve(config: ModelSection, max_num_seqs: int = 256, token: str | None = None) -> None:
+    """Load the model (NOT_SERVING meanwhile), serve until SIGTERM/SIGINT. `token`: the
+    internal token callers must present (every call but health and reflection)."""
     service = ModelService(config, max_num_seqs)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
     servicer = ModelServicer(service, executor)
-    running = await start_server(config.address, [(pb_grpc.add_ModelServiceServicer_to_server, servicer, SERVICE_NAME)])
+    running = await start_server(config.address, [(pb_grpc.add_ModelServiceServicer_to_server, servicer, SERVICE_NAME)],
+                                 auth_token=token)
     stop = stop_event()
     load = asyncio.get_running_loop().run_in_executor(executor, service.load)
     stopped = asyncio.ensure_future(stop.wait())

@@ -106,11 +106,38 @@ def status_code_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+# On a public server (the scheduler's API), the details of these codes are about the caller's
+# own request and go out as they are, any address in them masked; other codes' details can
+# name internal peers or quote a store's errors, so the caller gets a fixed line and the log
+# the detail. An exception with `public = True` is worded for callers (starting, draining).
+_CALLER_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
+                           grpc.StatusCode.OUT_OF_RANGE})
+_PUBLIC_TEXT = {
+    grpc.StatusCode.UNAVAILABLE: "the service is temporarily unavailable; try again later",
+    grpc.StatusCode.INTERNAL: "internal error (the server log has the details)",
+}
+_ADDRESS = re.compile(r"[a-z][a-z0-9+.-]*://\S+|\[[0-9a-fA-F:.]+\](?::\d+)?|\b[\w.-]+:\d{2,5}\b", re.IGNORECASE)
+
+
+def public_message(exc: BaseException, code: grpc.StatusCode) -> str:
+    """What a public caller is told for `exc` (mapped to `code`)."""
+    text = str(exc) or type(exc).__name__
+    if code in _CALLER_CODES or getattr(exc, "public", False):
+        return _ADDRESS.sub("<internal>", text)
+    return _PUBLIC_TEXT.get(code, "the request failed (the server log has the details)")
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, public: bool = False) -> None:
     code = status_code_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("internal error in an RPC", exc_info=exc)
-    await context.abort(code, str(exc) or type(exc).__name__)
+    text = str(exc) or type(exc).__name__
+    if public:
+        shown = public_message(exc, code)
+        if shown != text and code != grpc.StatusCode.INTERNAL:
+            logger.warning("%s: %s", code.name, text)
+        text = shown
+    await context.abort(code, text)
 
 
 class _Malformed:
@@ -136,7 +163,7 @@ def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], A
     return parse
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], public: bool) -> Callable[..., Awaitable[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, _Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
@@ -145,12 +172,12 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never lost
             if isinstance(exc, grpc.aio.AbortError):
                 raise
-            await _abort(context, exc)
+            await _abort(context, exc, public)
 
     return wrapped
 
 
-def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], public: bool) -> Callable[..., AsyncIterator[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         if isinstance(request, _Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
@@ -160,14 +187,18 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
         except Exception as exc:  # noqa: BLE001
             if isinstance(exc, grpc.aio.AbortError):
                 raise
-            await _abort(context, exc)
+            await _abort(context, exc, public)
 
     return wrapped
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps domain exceptions raised by unary-unary, unary-stream and stream-stream handlers to
-    status codes; a unary request message that does not parse gets INVALID_ARGUMENT."""
+    status codes; a unary request message that does not parse gets INVALID_ARGUMENT.
+    `public`: the details go through public_message (the scheduler's public API)."""
+
+    def __init__(self, public: bool = False) -> None:
+        self.public = public
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -175,13 +206,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary), _tolerant(handler.request_deserializer), handler.response_serializer)
+                _wrap_unary(handler.unary_unary, self.public), _tolerant(handler.request_deserializer), handler.response_serializer)
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream), _tolerant(handler.request_deserializer), handler.response_serializer)
+                _wrap_stream(handler.unary_stream, self.public), _tolerant(handler.request_deserializer), handler.response_serializer)
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+                _wrap_stream(handler.stream_stream, self.public), handler.request_deserializer, handler.response_serializer)
         return handler
 
 

@@ -285,18 +285,19 @@ def _drop_finished(sched: SchedulerOutput) -> None:
     sched.step.seqs = [s for s in sched.step.seqs if s.seq_id in live]
 
 
-def build_service_engine(config: Any, skip_tokenizer_init: bool = False) -> ServiceEngine:
+def build_service_engine(config: Any, skip_tokenizer_init: bool = False, token: str | None = None) -> ServiceEngine:
     """Connect to the model and KV-cache services (waiting for them, bounded by the startup
     timeout) and build the engine. `config` is a service_config.ServiceConfig;
-    skip_tokenizer_init: token ids in and out only (benchmarks of models without a tokenizer)."""
+    skip_tokenizer_init: token ids in and out only (benchmarks of models without a tokenizer);
+    `token`: the internal token the two services require (scheduler_svc.auth)."""
     from kvcache_svc.client import GrpcTransport
     from model_svc.loader import load_tokenizer
 
     s = config.scheduler
-    model = RemoteModel(config.model.address, s.rpc_timeout_s, s.retry_window_s)
+    model = RemoteModel(config.model.address, s.rpc_timeout_s, s.retry_window_s, token)
     deadline = time.monotonic() + s.startup_timeout_s
     model.connect(s.startup_timeout_s)
-    kv = KVClient(GrpcTransport(config.kvcache.address), s.retry_window_s, s.rpc_timeout_s)
+    kv = KVClient(GrpcTransport(config.kvcache.address, token), s.retry_window_s, s.rpc_timeout_s)
     while True:
         try:
             adopted = kv.connect(pool_config(model, s.enable_prefix_caching))

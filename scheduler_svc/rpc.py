@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from scheduler_svc import health as health_fallback
+from scheduler_svc.auth import TokenAuthInterceptor
 from scheduler_svc.errors import ErrorInterceptor, error_from_rpc
 
 logger = logging.getLogger(__name__)
@@ -143,16 +144,21 @@ def _add_reflection(server: grpc.aio.Server, names: tuple[str, ...]) -> None:
 
 
 async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
-                       options: Sequence[tuple[str, Any]] = ()) -> RunningServer:
+                       options: Sequence[tuple[str, Any]] = (), *, auth_token: str | None = None, public: bool = False,
+                       credentials: grpc.ServerCredentials | None = None) -> RunningServer:
     """Bind `address` and start; `services` are (add_XServicer_to_server, servicer, full service
     name). Health answers NOT_SERVING until `set_serving(True)`. ListenError when the
-    address is taken (checked first: gRPC's own bind failure logs lines of its own)."""
+    address is taken (checked first: gRPC's own bind failure logs lines of its own).
+    `auth_token`: calls other than health and reflection must present it (UNAUTHENTICATED
+    otherwise); `public`: error details sent to callers name no internal peer (ErrorInterceptor);
+    `credentials`: TLS."""
     # PICOVLLM_LISTEN (set by `serve --listen`) binds elsewhere than the address peers dial,
     # e.g. 0.0.0.0:50052 inside a container that others reach as kvcache:50052.
     address = os.environ.get("PICOVLLM_LISTEN") or address
     check_can_listen(address)
     # `options` override SERVER_OPTIONS by name (the public server's smaller message limit).
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=list({**dict(SERVER_OPTIONS), **dict(options)}.items()))
+    interceptors = ([TokenAuthInterceptor(auth_token)] if auth_token else []) + [ErrorInterceptor(public=public)]
+    server = grpc.aio.server(interceptors=interceptors, options=list({**dict(SERVER_OPTIONS), **dict(options)}.items()))
     for add, servicer, _ in services:
         add(servicer, server)
     health_servicer = _add_health(server)
@@ -160,7 +166,7 @@ async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grp
     _add_reflection(server, names)
     try:
         with _core_log_silenced():
-            port = server.add_insecure_port(address)
+            port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError:  # taken since the check, or a host gRPC cannot bind
         port = 0
     if port == 0:
@@ -197,9 +203,12 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def check_health(address: str, service: str = "", timeout: float = 1.0) -> bool:
-    """True when the server at `address` answers SERVING for `service`."""
-    with grpc.insecure_channel(address) as channel:
+def check_health(address: str, service: str = "", timeout: float = 1.0, root_certificates: bytes | None = None) -> bool:
+    """True when the server at `address` answers SERVING for `service` (over TLS trusting
+    `root_certificates` when given)."""
+    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates)) if root_certificates
+               else grpc.insecure_channel(address))
+    with channel:
         try:
             return health_fallback.check(channel, service, timeout) == health_fallback.SERVING
         except grpc.RpcError:

@@ -4,6 +4,13 @@
 together: SIGTERM drains the scheduler first, then stops the other two. It checks its ports
 before it starts anything, and a child that fails at start-up stops the rest.
 
+Secrets never travel in argv, where every local user reads them: the Redis URL (it may carry
+a password), the internal token and the API key come from PICOVLLM_* variables or files
+(scheduler_svc.auth), and `all` hands them to its children in their environment, each child
+only what it needs. `all` makes a random internal token per launch when none is configured.
+`kvcache`, `model` and `scheduler` run alone need the internal token (the same in each), or
+--insecure-no-auth to run without one.
+
 A service that cannot start for a reason an operator can fix (a port that is taken, a missing
 model, a bad config value) says so in one line and exits with status 2; when it is ready it
 prints one line naming every address it listens on.
@@ -16,10 +23,13 @@ import asyncio
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
+
+from scheduler_svc.auth import API_KEY_ENV, INTERNAL_TOKEN_ENV, REDIS_URL_ENV, Credentials, read_secret, url_has_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +39,8 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--scheduler-addr": ("scheduler", "address", str, "the scheduler's public gRPC address, host:port"),
     "--kvcache-addr": ("kvcache", "address", str, "the KV-cache service's gRPC address (internal)"),
     "--model-addr": ("model", "address", str, "the model service's gRPC address (internal)"),
-    "--redis-url": ("kvcache", "redis_url", str, "Redis URL of the KV-cache metadata, e.g. redis://127.0.0.1:6379/0"),
+    "--redis-url": ("kvcache", "redis_url", str, "Redis URL of the KV-cache metadata, e.g. redis://127.0.0.1:6379/0; one with a "
+                                               f"password goes in ${REDIS_URL_ENV} or --redis-url-file, never here"),
     "--deployment": ("kvcache", "deployment", str, "namespace of the Redis keys"),
     "--metrics-port": ("scheduler", "metrics_port", int, "HTTP port of the Prometheus /metrics, on the scheduler's host; 0 = off"),
     "--max-waiting": ("scheduler", "max_waiting", int, "queued requests beyond this are refused (RESOURCE_EXHAUSTED)"),
@@ -39,6 +50,10 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--preemption-mode": ("scheduler", "preemption_mode", str, "swap | recompute: what a preempted request does with its KV blocks"),
     "--num-scheduler-steps": ("scheduler", "num_scheduler_steps", int, "decode steps per schedule (multi-step)"),
     "--drain-timeout": ("scheduler", "drain_timeout_s", float, "on SIGTERM, seconds the in-flight requests may still run"),
+    "--dependency-timeout": ("scheduler", "dependency_timeout_s", float,
+                             "seconds a request may wait on an unreachable model or KV-cache service before it gets UNAVAILABLE"),
+    "--tls-cert": ("scheduler", "tls_cert", str, "PEM certificate chain: serve the public API over TLS (with --tls-key)"),
+    "--tls-key": ("scheduler", "tls_key", str, "PEM private key of --tls-cert"),
     "--model": ("model", "model", str, "a local Hugging Face model directory, or a repo id already in the local Hugging Face cache; never downloaded"),
     "--block-size": ("model", "block_size", int, "tokens per KV-cache block (a power of two)"),
     "--num-gpu-blocks": ("model", "num_gpu_blocks", int, "device KV pool size in blocks"),
@@ -52,7 +67,18 @@ NONE_MEANS = {
     "redis_url": "none, metadata in memory", "max_model_len": "the model's limit", "num_gpu_blocks": "measured from free memory",
     "num_cpu_blocks": "1 GiB of blocks, at most 4x the device pool", "device": "cuda if available, else cpu",
     "dtype": "bfloat16 on cuda, float32 on cpu", "torch_threads": "1 for a model under 100M parameters, else one per core",
+    "tls_cert": "none, plaintext", "tls_key": "none",
 }
+# Files of secrets: flag -> (environment variable, help). The variable itself, or VAR_FILE
+# naming a file, works as well; the flag wins.
+SECRET_FILES: dict[str, tuple[str, str]] = {
+    "--redis-url-file": (REDIS_URL_ENV, "a file holding the Redis URL (which may carry a password)"),
+    "--internal-token-file": (INTERNAL_TOKEN_ENV, "a file holding the internal token, the same for the three services "
+                                                  "(default: $PICOVLLM_INTERNAL_TOKEN; `serve all` makes one per launch)"),
+    "--api-key-file": (API_KEY_ENV, "a file holding the API key the public API then requires as 'authorization: Bearer <key>' "
+                                    "(default: $PICOVLLM_API_KEY, else no key)"),
+}
+SECRET_VARS = tuple(v for var, _ in SECRET_FILES.values() for v in (var, f"{var}_FILE"))
 KINDS = ("scheduler", "kvcache", "model", "all")
 CHILDREN = ("kvcache", "model", "scheduler")
 
@@ -82,6 +108,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "config key scheduler.async_scheduling)")
     p.add_argument("--listen", default=None,
                    help="bind this address instead of the service's own, e.g. 0.0.0.0:50052 in a container (default: the service's address)")
+    for flag, (_, text) in SECRET_FILES.items():
+        p.add_argument(flag, default=None, metavar="FILE", help=text)
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="let the internal services run without the internal token: anyone who reaches them can read and "
+                        "corrupt other users' state (docs/SECURITY.md)")
     add_log_flags(p)
     p.set_defaults(func=cmd_serve)
 
@@ -92,6 +123,11 @@ def config_from_args(args: argparse.Namespace):
     overrides: dict[str, dict] = {"scheduler": {}, "kvcache": {}, "model": {}}
     for flag, (section, key, _, _) in FLAGS.items():
         overrides[section][key] = getattr(args, flag[2:].replace("-", "_"))
+    if url_has_credentials(args.redis_url):
+        raise ValueError(f"--redis-url carries a password, which every local user can read in the process list: "
+                         f"put the URL in ${REDIS_URL_ENV} or a file (--redis-url-file FILE)")
+    if args.redis_url_file:
+        overrides["kvcache"]["redis_url"] = read_secret(REDIS_URL_ENV, args.redis_url_file, check=False)
     if args.no_prefix_caching:
         overrides["scheduler"]["enable_prefix_caching"] = False
     if args.async_scheduling is not None:
@@ -119,13 +155,44 @@ def child_argv(args: argparse.Namespace, kind: str) -> list[str]:
         argv += ["--config", args.config]
     for flag in FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
+        if value is not None and flag != "--redis-url":  # the Redis URL goes by the environment (child_env)
             argv += [flag, str(value)]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
+    if args.insecure_no_auth:
+        argv.append("--insecure-no-auth")
     if args.async_scheduling is not None:
         argv.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     return argv
+
+
+def child_env(kind: str, config, creds: Credentials) -> dict[str, str]:
+    """The environment of `serve all`'s `kind` child: this one without secrets, then the
+    secrets that child needs (never in its argv)."""
+    # PICOVLLM_LISTEN is one service's bind address: three children must not share it.
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARS and k != "PICOVLLM_LISTEN"}
+    env["PICOVLLM_QUIET_READY"] = "1"  # one readiness line, from serve all, for the three
+    if creds.internal_token:
+        env[INTERNAL_TOKEN_ENV] = creds.internal_token
+    if kind == "kvcache" and config.kvcache.redis_url:
+        env[REDIS_URL_ENV] = config.kvcache.redis_url
+    if kind == "scheduler" and creds.api_key:
+        env[API_KEY_ENV] = creds.api_key
+    return env
+
+
+def credentials_from_args(args: argparse.Namespace) -> Credentials:
+    """The internal token and API key of `args.kind` (SecretError: unreadable or unusable)."""
+    from scheduler_svc.cli import UsageError
+
+    token = read_secret(INTERNAL_TOKEN_ENV, args.internal_token_file)
+    if token is None and not args.insecure_no_auth:
+        if args.kind != "all":
+            raise UsageError(f"{args.kind} service: no internal token: set ${INTERNAL_TOKEN_ENV} or --internal-token-file FILE "
+                             f"(the same for the three services), or --insecure-no-auth to run without one")
+        token = secrets.token_urlsafe(32)  # this launch's: the children get it by environment
+    api_key = read_secret(API_KEY_ENV, args.api_key_file) if args.kind in ("scheduler", "all") else None
+    return Credentials(token, api_key)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -134,14 +201,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from scheduler_svc.rpc import ListenError
 
     config = _config_or_usage_error(args)
+    try:
+        creds = credentials_from_args(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if args.listen:
         if args.kind == "all":
             raise UsageError("--listen applies to one service, not 'all'")
         os.environ["PICOVLLM_LISTEN"] = args.listen
     if args.kind == "all":
-        return serve_all(args, config)
+        return serve_all(args, config, creds)
     try:
-        asyncio.run(_serve_one(args.kind, config))
+        asyncio.run(_serve_one(args.kind, config, creds))
     except (OSError, ValueError, PicoError) as exc:  # a taken port, a model that cannot load, peers that never came up
         logger.debug("the %s service failed to start", args.kind, exc_info=True)
         raise UsageError(str(exc) if isinstance(exc, ListenError) else f"{args.kind} service: {exc}") from None
@@ -165,19 +236,19 @@ def _config_or_usage_error(args: argparse.Namespace):
         raise UsageError(str(exc)) from None
 
 
-async def _serve_one(kind: str, config) -> None:
+async def _serve_one(kind: str, config, creds: Credentials) -> None:
     if kind == "kvcache":
         from kvcache_svc.server import serve
 
-        await serve(config.kvcache)
+        await serve(config.kvcache, token=creds.internal_token)
     elif kind == "model":
         from model_svc.server import serve as serve_model
 
-        await serve_model(config.model, config.scheduler.max_num_seqs)
+        await serve_model(config.model, config.scheduler.max_num_seqs, token=creds.internal_token)
     else:
         from scheduler_svc.server import serve as serve_scheduler
 
-        await serve_scheduler(config)
+        await serve_scheduler(config, creds)
 
 
 def _addresses(config) -> dict[str, str]:
@@ -195,7 +266,7 @@ def _dial(address: str) -> str:
     return f"{ {'0.0.0.0': '127.0.0.1', '[::]': '[::1]'}.get(host, host)}:{port}"
 
 
-def serve_all(args: argparse.Namespace, config) -> int:
+def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
     """The three services as children; the first to exit (or a signal) stops the rest."""
     from scheduler_svc.cli import UsageError
     from scheduler_svc.rpc import ListenError, announce, check_can_listen, check_health
@@ -206,8 +277,12 @@ def serve_all(args: argparse.Namespace, config) -> int:
             check_can_listen(address, "metrics" if what == "metrics" else "")
     except ListenError as exc:
         raise UsageError(str(exc)) from None
-    env = {**os.environ, "PICOVLLM_QUIET_READY": "1"}  # one readiness line, below, for the three
-    children = {kind: subprocess.Popen(child_argv(args, kind), env=env, preexec_fn=_die_with_parent) for kind in CHILDREN}
+    try:
+        tls_root = _read(config.scheduler.tls_cert)  # its own certificate: trusted by the readiness check
+    except OSError as exc:
+        raise UsageError(f"cannot read {exc.filename}: {exc.strerror}") from None
+    children = {kind: subprocess.Popen(child_argv(args, kind), env=child_env(kind, config, creds), preexec_fn=_die_with_parent)
+                for kind in CHILDREN}
     stopping = False
 
     def on_signal(signum, frame) -> None:
@@ -226,7 +301,8 @@ def serve_all(args: argparse.Namespace, config) -> int:
                 print(f"picovllm: error: the {kind} service exited{when} (status {code}); stopping the others", file=sys.stderr)
             code = code if code > 0 else 1
             break
-        if not ready and all(check_health(_dial(addresses[k]), timeout=0.5) for k in reversed(CHILDREN)):
+        if not ready and all(check_health(_dial(addresses[k]), timeout=0.5, root_certificates=tls_root if k == "scheduler" else None)
+                             for k in reversed(CHILDREN)):
             ready = True
             metrics = f", metrics http://{addresses['metrics']}/metrics" if "metrics" in addresses else ""
             announce(f"ready: scheduler gRPC {addresses['scheduler']}{metrics}; kvcache gRPC {addresses['kvcache']}; "
@@ -236,6 +312,13 @@ def serve_all(args: argparse.Namespace, config) -> int:
         # A start-up that failed has nothing to drain: the operator gets the prompt back soon.
         _stop(children[kind], timeout=(60 if kind == "scheduler" else 15) if ready else 3)
     return code
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _die_with_parent() -> None:

@@ -4,6 +4,13 @@ A thin servicer: proto <-> domain at the boundary, AsyncLLM over a ServiceEngine
 Health is NOT_SERVING until both peers answered and the KV state is in sync; SIGTERM stops
 new requests, lets the in-flight ones finish (bounded), then stops.
 
+Requests never wait without end on a peer: PeerMonitor probes the model and KV-cache
+services; health turns NOT_SERVING while one is unreachable (past `peer_down_after_s`), and
+once one has been unreachable for `dependency_timeout_s` the requests waiting on it end with
+UNAVAILABLE, client deadline or not. What callers are told names no internal address or
+store error (errors.public_message); the log has the detail. With an API key, every call
+but health and reflection must present it (scheduler_svc.auth).
+
 Limits come before work: gRPC itself refuses a message over `max_request_bytes`
 (RESOURCE_EXHAUSTED), then the request's sizes (prompt characters or tokens, stop strings,
 logprobs, ids) are checked (INVALID_ARGUMENT), and only then is a text prompt tokenized, on
@@ -23,10 +30,12 @@ from typing import Any
 
 from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.auth import Credentials
 from scheduler_svc.errors import InvalidArgument, NotFound, QueueFull, Unavailable
 from scheduler_svc.llm import AsyncLLM
 from scheduler_svc.metrics import SchedulerMetrics, StreamTimer
 from scheduler_svc.outputs import RequestOutput
+from scheduler_svc.peer_health import PeerMonitor
 from scheduler_svc.rpc import announce, start_server, stop_event
 from scheduler_svc.sampling_params import RequestLimits, SamplingParams
 from scheduler_svc.service_config import SchedulerSection, ServiceConfig
@@ -94,6 +103,17 @@ def model_info_to_pb(engine: Any) -> pb.GetModelInfoResponse:
 
 
 # ----------------------------------------------------------------- servicer
+class ServerUnavailable(Unavailable):
+    """UNAVAILABLE in words meant for callers (errors.public_message sends them as they are)."""
+
+    public = True
+
+
+PEERS_UNAVAILABLE = "the model or KV-cache service is unavailable; try again later"
+# How often a waiting stream looks whether its peers have been unreachable too long.
+_STALL_POLL_S = 0.5
+
+
 class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     def __init__(self, config: SchedulerSection, metrics: SchedulerMetrics | None = None) -> None:
         self.config = config
@@ -101,6 +121,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.llm: AsyncLLM | None = None
         self.active: set[str] = set()
         self.draining = False
+        self.monitor: PeerMonitor | None = None  # set by serve()
         # Text prompts are tokenized here, off the engine's thread (the tokenizer lets go of
         # the GIL while it works); one thread, so that one tokenizer is never entered twice.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -112,13 +133,25 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     def _ready(self) -> AsyncLLM:
         if self.draining:
-            raise Unavailable("the server is shutting down")
+            raise ServerUnavailable("the server is shutting down")
         if self.llm is None:
-            raise Unavailable("the server is starting (waiting for the model and KV-cache services)")
+            raise ServerUnavailable("the server is starting (waiting for the model and KV-cache services)")
         return self.llm
+
+    def _stalled(self, deadline: float | None = None, margin: float = 0.0) -> str | None:
+        """Why a request waiting now cannot go on (for the log), or None: a peer unreachable
+        for the dependency timeout, or, a little before the request's deadline, at all."""
+        monitor, now = self.monitor, time.monotonic()
+        if monitor is not None and monitor.unreachable_for(now) >= self.config.dependency_timeout_s:
+            return monitor.why or "a peer is unreachable"
+        if deadline is not None and now >= deadline - margin:
+            return self.engine.unavailable or (monitor.why if monitor is not None else None)
+        return None
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         llm = self._ready()
+        if self._stalled():  # it could only wait out the outage, then fail
+            raise ServerUnavailable(PEERS_UNAVAILABLE)
         engine = self.engine
         sched = engine.scheduler
         if len(self.active) - len(sched.running) - len(sched.swapped) >= self.config.max_waiting:
@@ -172,20 +205,19 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         return None if aborted else token_ids
 
     async def _stream(self, outputs: AsyncIterator[RequestOutput], deadline: float | None, request_id: str) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs; a little before the deadline, a request stuck behind a peer
-        that is down fails with UNAVAILABLE (a merely slow one runs into its deadline)."""
+        """The engine's outputs. A request stuck behind a peer that is down fails with
+        UNAVAILABLE a little before its deadline, and, deadline or not, once the peer has been
+        unreachable for the dependency timeout (a merely slow one runs into its deadline)."""
         margin = 0.0 if deadline is None else min(0.25, 0.1 * max(0.0, deadline - time.monotonic()))
         task: asyncio.Future | None = None
         try:
             while True:
                 task = asyncio.ensure_future(anext(outputs))
-                wait = None if deadline is None else max(0.0, deadline - margin - time.monotonic())
-                done, _ = await asyncio.wait({task}, timeout=wait)
-                if not done:
-                    why = self.engine.unavailable
+                while not (await asyncio.wait({task}, timeout=_stall_wait(deadline, margin)))[0]:
+                    why = self._stalled(deadline, margin)
                     if why:
-                        raise Unavailable(f"request {request_id} cannot finish before its deadline: {why}")
-                    await asyncio.wait({task})
+                        logger.warning("request %s ends UNAVAILABLE: %s", request_id, why)
+                        raise ServerUnavailable(PEERS_UNAVAILABLE)
                 try:
                     out = task.result()
                 except StopAsyncIteration:
@@ -214,7 +246,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         if self.llm is None:
-            raise Unavailable("the server is starting")
+            raise ServerUnavailable("the server is starting")
         return model_info_to_pb(self.engine)
 
     async def drain(self, timeout: float) -> None:
@@ -230,6 +262,15 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             end = time.monotonic() + 5
             while self.active and time.monotonic() < end:
                 await asyncio.sleep(0.05)
+
+
+def _stall_wait(deadline: float | None, margin: float) -> float:
+    """How long a stream waits for its next output before it looks at its peers again: the
+    poll interval, or less to wake just before its deadline."""
+    if deadline is None:
+        return _STALL_POLL_S
+    until = deadline - margin - time.monotonic()
+    return _STALL_POLL_S if until <= 0 else min(_STALL_POLL_S, until)
 
 
 # ----------------------------------------------------------------- serve
@@ -251,16 +292,30 @@ def _in_daemon_thread(fn, *args) -> asyncio.Future:
     return fut
 
 
-async def serve(config: ServiceConfig) -> None:
+def tls_credentials(s: SchedulerSection) -> Any:
+    """grpc.ServerCredentials from the PEM files of the config, or None without TLS."""
+    if s.tls_cert is None or s.tls_key is None:
+        return None
+    import grpc
+
+    with open(s.tls_key, "rb") as key, open(s.tls_cert, "rb") as cert:
+        return grpc.ssl_server_credentials([(key.read(), cert.read())])
+
+
+async def serve(config: ServiceConfig, credentials: Credentials | None = None) -> None:
+    """Run until SIGTERM/SIGINT. `credentials`: the API key callers must present (if any),
+    and the internal token presented to the model and KV-cache services."""
     from scheduler_svc.remote_engine import build_service_engine
 
     s = config.scheduler
+    creds = credentials or Credentials()
     metrics = SchedulerMetrics(lambda: servicer.engine)
     servicer = SchedulerServicer(s, metrics)
     # The public server's own message limit, far below the internal services' (gRPC refuses a
     # larger request with RESOURCE_EXHAUSTED before any of it is parsed).
     running = await start_server(s.address, [(pb_grpc.add_SchedulerServiceServicer_to_server, servicer, SERVICE_NAME)],
-                                 options=[("grpc.max_receive_message_length", s.max_request_bytes)])
+                                 options=[("grpc.max_receive_message_length", s.max_request_bytes)],
+                                 auth_token=creds.api_key, public=True, credentials=tls_credentials(s))
     listening = [f"gRPC {running.address}"]
     if s.metrics_port:
         try:
@@ -269,15 +324,26 @@ async def serve(config: ServiceConfig) -> None:
             await running.server.stop(None)  # the port is free again before the one-line error
             raise
     stop = stop_event()
-    build = _in_daemon_thread(build_service_engine, config)
+    build = _in_daemon_thread(build_service_engine, config, False, creds.internal_token)
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([build, stopped], return_when=asyncio.FIRST_COMPLETED)
+    watch = None
     if build.done():
         servicer.llm = AsyncLLM(build.result())
+
+        async def peers_down(down: bool) -> None:
+            await running.set_serving(not down and not servicer.draining)
+
+        servicer.monitor = PeerMonitor({"model": config.model.address, "kvcache": config.kvcache.address}, s.peer_down_after_s,
+                                       lambda: servicer.engine.unavailable, peers_down)
+        watch = asyncio.ensure_future(servicer.monitor.run())
         await running.set_serving(True)
         announce(f"scheduler service ready: {', '.join(listening)}")
         await stopped
+    servicer.draining = True  # before health: a peer coming back must not turn it SERVING again
     await running.set_serving(False)
+    if watch is not None:
+        watch.cancel()
     await servicer.drain(s.drain_timeout_s)
     await running.server.stop(grace=2)
     if servicer.llm is not None:

@@ -8,7 +8,8 @@ Precedence, lowest first: the defaults here, the YAML file, environment variable
 
 Environment: PICOVLLM_CONFIG (the YAML path), PICOVLLM_SCHEDULER_ADDR, PICOVLLM_KVCACHE_ADDR,
 PICOVLLM_MODEL_ADDR, PICOVLLM_REDIS_URL, PICOVLLM_DEPLOYMENT, PICOVLLM_METRICS_PORT,
-PICOVLLM_MODEL. Internal services (kvcache, model) listen on loopback unless told otherwise.
+PICOVLLM_MODEL; PICOVLLM_REDIS_URL_FILE names a file holding the Redis URL (it may carry a
+password). Every service listens on loopback unless told otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scheduler_svc.auth import REDIS_URL_ENV, mask_url, read_secret
 from scheduler_svc.config import BUNDLED_MODEL
 
 ENV_VARS: dict[str, tuple[str, str]] = {
@@ -70,9 +72,19 @@ class SchedulerSection:
     max_logprobs: int = 20  # top-n logprobs per token (never above the vocabulary)
     max_stop_strings: int = 64
     max_stop_chars: int = 4096  # all stop strings of a request together
+    # A request waiting on a model or KV-cache service that has been unreachable this long
+    # ends with UNAVAILABLE, client deadline or not; health turns NOT_SERVING once one has
+    # been unreachable for peer_down_after_s (probed about once a second).
+    dependency_timeout_s: float = 30.0
+    peer_down_after_s: float = 2.0
+    tls_cert: str | None = None  # PEM files: the public API over TLS (both or neither)
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         _check_address("scheduler.address", self.address)
+        _positive("scheduler", self, "dependency_timeout_s", "peer_down_after_s")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("scheduler.tls_cert and scheduler.tls_key go together: set both or neither")
         _positive("scheduler", self, "max_waiting", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps",
                   "rpc_timeout_s", "retry_window_s", "startup_timeout_s", "max_request_bytes", "max_prompt_chars")
         for name in ("max_logprobs", "max_stop_strings", "max_stop_chars"):
@@ -89,13 +101,13 @@ class SchedulerSection:
 @dataclass(frozen=True, slots=True)
 class KVCacheSection:
     address: str = "127.0.0.1:50052"
-    redis_url: str | None = None  # None: metadata in memory
+    redis_url: str | None = field(default=None, repr=False)  # None: metadata in memory; may carry a password
     deployment: str = "default"  # namespaces the Redis keys
 
     def __post_init__(self) -> None:
         _check_address("kvcache.address", self.address)
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"kvcache.redis_url must be a redis:// URL, got {self.redis_url!r}")
+            raise ValueError(f"kvcache.redis_url must be a redis:// URL, got {mask_url(self.redis_url)!r}")
         if not self.deployment or ":" in self.deployment:
             raise ValueError(f"kvcache.deployment must be a non-empty name without ':', got {self.deployment!r}")
 
@@ -198,6 +210,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: Mapping[str, M
     for var, (section, name) in ENV_VARS.items():
         if var in env:
             _merge(values, section, {name: env[var]}, f"${var}")
+    if env.get(f"{REDIS_URL_ENV}_FILE"):  # a secret: from a file by the _FILE convention too
+        _merge(values, "kvcache", {"redis_url": read_secret(REDIS_URL_ENV, env=env, check=False)}, f"${REDIS_URL_ENV}_FILE")
     for section, body in (overrides or {}).items():
         _merge(values, section, {k: v for k, v in body.items() if v is not None}, "flags")
     sections = {name: factory(**values[name]) for name, factory in _SECTIONS.items()}

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# The internal token every service process of the tests gets through its environment.
+INTERNAL_TOKEN = "test-token-" + uuid.uuid4().hex
+TOKEN_METADATA = (("authorization", f"Bearer {INTERNAL_TOKEN}"),)
 
 
 def free_port() -> int:
@@ -88,7 +91,7 @@ class ServiceProcess:
     def __init__(self, kind: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.kind, self.args, self.log_dir = kind, args, log_dir
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                    "PYTHONUNBUFFERED": "1", **(env or {})}
+                    "PYTHONUNBUFFERED": "1", "PICOVLLM_INTERNAL_TOKEN": INTERNAL_TOKEN, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -180,8 +183,8 @@ class Stack:
 
         with grpc.insecure_channel(self.addr["kvcache"]) as ch:
             stub = pb_grpc.KVCacheServiceStub(ch)
-            check = stub.CheckInvariants(pb.CheckInvariantsRequest(), timeout=10)
-            info = stub.GetInfo(pb.GetInfoRequest(), timeout=10)
+            check = stub.CheckInvariants(pb.CheckInvariantsRequest(), timeout=10, metadata=TOKEN_METADATA)
+            info = stub.GetInfo(pb.GetInfoRequest(), timeout=10, metadata=TOKEN_METADATA)
         return check, info
 
     def wait_kv_clean(self, timeout: float = 20):
