@@ -22,6 +22,7 @@ import argparse
 import os
 import platform
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -100,6 +101,7 @@ class Services:
     def __init__(self, redis_url: str | None, model_args: list[str] | None = None) -> None:
         self.addr = {k: f"127.0.0.1:{free_port()}" for k in ("scheduler", "kvcache", "model")}
         self.common = [f"--{k}-addr={v}" for k, v in self.addr.items()]
+        self.token = secrets.token_urlsafe(32)  # the internal token, handed to the services by environment
         self.procs: list[subprocess.Popen] = []
         self.start("kvcache", *([f"--redis-url={redis_url}", f"--deployment=bench{free_port()}"] if redis_url else []))
         if model_args is None:
@@ -110,7 +112,8 @@ class Services:
         from scheduler_svc.rpc import check_health
 
         cmd = [sys.executable, "-m", "scheduler_svc.cli", "serve", kind, *self.common, *args]
-        self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                           env={**os.environ, "PICOVLLM_INTERNAL_TOKEN": self.token}))
         deadline = time.monotonic() + 120
         while not check_health(self.addr[kind], timeout=0.5):
             if time.monotonic() > deadline or self.procs[-1].poll() is not None:
@@ -138,7 +141,7 @@ def bench_service_engine(services: Services, prompts, max_tokens, repeats: int, 
     from model_svc.step import StepInput
     from scheduler_svc.remote_engine import build_service_engine
 
-    engine = build_service_engine(services.config(async_scheduling=pipelined))
+    engine = build_service_engine(services.config(async_scheduling=pipelined), token=services.token)
     run_engine(engine, prompts[:2], [4, 4])  # warm-up
     kv, model = engine.kv, engine.model
 

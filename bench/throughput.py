@@ -87,7 +87,7 @@ def run_service(args, runner_config_path: str, model=None):
     services = Services(None, model_args)
     config = services.config(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.service_pipelined)
-    return LLM.from_engine(build_service_engine(config, skip_tokenizer_init=True)), services
+    return LLM.from_engine(build_service_engine(config, skip_tokenizer_init=True, token=services.token)), services
 
 
 def hf_row(runner, prompts, params, tok_s: float) -> str:

@@ -8,6 +8,8 @@ length = generated tokens), `TTFT` (time to the first streamed token) and `ITL` 
 inter-token latency of the call). Workloads (--workload or $PICOVLLM_WORKLOAD):
 short_chat (short prompt, 32 tokens), long_prompt (a long prompt, 16 tokens), shared_prefix
 (one long common prefix with a short distinct suffix, 32 tokens: exercises the prefix cache).
+A server with an API key gets it from $PICOVLLM_API_KEY (or the file named by
+$PICOVLLM_API_KEY_FILE).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ grpc_gevent.init_gevent()  # grpc's blocking calls must yield to locust's greenl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from protos.picovllm.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from scheduler_svc.auth import API_KEY_ENV, call_metadata, read_secret  # noqa: E402
+
+METADATA = call_metadata(read_secret(API_KEY_ENV, check=False))
 
 WORDS = ("once upon a time there was a little girl named lily she loved to play outside in the park "
          "one day she saw a big red ball and her friend tom came to play with her they were happy").split()
@@ -73,7 +78,7 @@ class GenerateUser(User):
         first = last = None
         tokens = 0
         try:
-            for msg in self.stub.Generate(request, timeout=opts.timeout):
+            for msg in self.stub.Generate(request, timeout=opts.timeout, metadata=METADATA):
                 now = time.perf_counter()
                 if msg.token_ids:
                     first = first or now

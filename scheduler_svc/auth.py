@@ -98,7 +98,7 @@ def url_has_credentials(url: str | None) -> bool:
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     """The metadata that presents `token` on a call (None: no credential)."""
-    return None if token is None else (("authorization", f"Bearer {token}"),)
+    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 def with_token(method: Callable[..., Any], token: str | None) -> Callable[..., Any]:

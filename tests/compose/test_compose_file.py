@@ -1,7 +1,8 @@
 """The compose file is not decoration: without Docker, parse it, check the deployment rules it
-promises, then start each service's command with the file's environment as local processes
-(Redis from the machine, hostnames mapped to loopback ports), wait for the file's own
-healthchecks, and make a gRPC call through the scheduler."""
+promises (ports on the host's loopback, required secrets that never reach a command line, a
+non-root image), then start each service's command with the file's environment as local
+processes (Redis from the machine, hostnames mapped to loopback ports), wait for the file's
+own healthchecks, and make a gRPC call through the scheduler."""
 
 from __future__ import annotations
 
@@ -11,22 +12,37 @@ import shutil
 import subprocess
 import sys
 
+from pathlib import Path
+
+import grpc
 import pytest
 import yaml
 
 from tests.services.conftest import REPO, free_port, wait_for
 
 COMPOSE = REPO / "compose" / "docker-compose.yml"
-PASSWORD = "test-password"
+DOCKERFILE = REPO / "compose" / "Dockerfile"
+PASSWORD = "test-password-" + "x" * 8
+SECRETS = {"REDIS_PASSWORD": PASSWORD, "PICOVLLM_INTERNAL_TOKEN": "compose-test-token-0123456789",
+           "PICOVLLM_API_KEY": "compose-test-api-key-0123456789"}
+PICOVLLM = ("kvcache", "model", "model-cpu", "scheduler")
+
+
+class Unset(KeyError):
+    """${VAR:?message} with VAR unset: compose refuses to start."""
 
 
 def _interpolate(value: str, env: dict[str, str]) -> str:
-    """Compose's ${VAR:-default} and ${VAR} substitution."""
+    """Compose's $$, ${VAR}, ${VAR:-default} and ${VAR:?error} substitution."""
     def sub(m: re.Match) -> str:
-        name, default = m.group(1), m.group(3) or ""
-        return env.get(name) or default
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        if op == ":?" and not env.get(name):
+            raise Unset(f"{name}: {arg}")
+        return env.get(name) or (arg if op == ":-" else "")
 
-    return re.sub(r"\$\{(\w+)(:-([^}]*))?\}", sub, value)
+    return re.sub(r"\$\$|\$\{(\w+)(?:(:[-?])([^}]*))?\}", sub, value)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +57,10 @@ def test_deployment_rules(compose):
     published = {name for name, svc in services.items() if svc.get("ports")}
     assert published == {"scheduler"}
     assert {p.split(":")[-1] for p in services["scheduler"]["ports"]} == {"50051", "9400"}
+    assert all(p.startswith("127.0.0.1:") for p in services["scheduler"]["ports"])  # the host's loopback only
     # Redis: a password and append-only persistence on a volume.
     redis_cmd = " ".join(services["redis"]["command"])
-    assert "--requirepass" in redis_cmd and "--appendonly yes" in redis_cmd
+    assert "requirepass" in redis_cmd and "--appendonly yes" in redis_cmd
     assert any(v.endswith(":/data") for v in services["redis"]["volumes"]) and "redis-data" in compose["volumes"]
     # The model service reserves an NVIDIA GPU; the cpu profile runs without one.
     devices = services["model"]["deploy"]["resources"]["reservations"]["devices"]
@@ -58,12 +75,53 @@ def test_deployment_rules(compose):
         assert all(v.endswith(":ro") for v in services[name]["volumes"])
 
 
+def _strings(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _strings(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in _strings(v)]
+    return []
+
+
+def test_secrets_are_required_and_never_on_a_command_line(compose):
+    services = compose["services"]
+    text = COMPOSE.read_text()
+    assert "change-me" not in text  # no silent fallback password
+    # Without REDIS_PASSWORD (or the internal token) the file does not interpolate: compose refuses to start.
+    for missing in ("REDIS_PASSWORD", "PICOVLLM_INTERNAL_TOKEN"):
+        env = {k: v for k, v in SECRETS.items() if k != missing}
+        with pytest.raises(Unset, match=missing):
+            [_interpolate(x, env) for svc in services.values() for x in _strings(svc)]
+    # Commands and healthchecks carry no secret: interpolated, none of the values shows up.
+    for name, svc in services.items():
+        argv = _strings(svc.get("command")) + _strings(svc.get("healthcheck", {}).get("test"))
+        for arg in argv:
+            resolved = _interpolate(arg, SECRETS)
+            assert not any(secret in resolved for secret in SECRETS.values()), (name, arg)
+        assert "--requirepass" not in argv and "-a" not in " ".join(argv).split(), name
+    # Each container gets only the secrets it needs.
+    for name in PICOVLLM:
+        env = services[name]["environment"]
+        assert "PICOVLLM_INTERNAL_TOKEN" in env, name
+        assert ("PICOVLLM_REDIS_URL" in env) == (name == "kvcache"), name
+        assert ("PICOVLLM_API_KEY" in env) == (name == "scheduler"), name
+    assert "REDIS_PASSWORD" in services["redis"]["environment"]
+
+
+def test_image_runs_as_a_non_root_user():
+    users = [line.split()[1] for line in DOCKERFILE.read_text().splitlines() if line.startswith("USER ")]
+    assert users, "the Dockerfile sets no USER: the services would run as root"
+    assert users[-1].split(":")[0] not in ("root", "0")
+
+
 def test_services_start_from_the_file_and_answer(compose, tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
     services = compose["services"]
     ports = {"scheduler": free_port(), "kvcache": free_port(), "model": free_port(), "redis": free_port(), "metrics": free_port()}
-    host_env = {"REDIS_PASSWORD": PASSWORD}
+    host_env = SECRETS
 
     def local(value: str) -> str:
         """Compose hostnames -> loopback ports; container paths -> this checkout."""
@@ -73,11 +131,15 @@ def test_services_start_from_the_file_and_answer(compose, tmp_path):
             value = re.sub(rf"(^|[^\w-]){name}:\d+", lambda m, n=name: f"{m.group(1)}127.0.0.1:{ports[n]}", value)
         return value.replace("/models/model", str(REPO / "model_svc" / "bundled" / "stories260k"))
 
-    env_common = {k: local(str(v)) for k, v in services["scheduler"]["environment"].items()}
-    env_common["PICOVLLM_METRICS_PORT"] = str(ports["metrics"])
+    def environment(name: str) -> dict[str, str]:
+        """The service's own environment from the file, on top of this one's without PICOVLLM_*."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PICOVLLM_")}
+        env.update({k: local(str(v)) for k, v in services[name]["environment"].items()})
+        return {**env, "PICOVLLM_METRICS_PORT": str(ports["metrics"]), "PYTHONPATH": str(REPO)}
+
     redis_cmd = [local(a) for a in services["redis"]["command"]]
     redis = subprocess.Popen([*redis_cmd, "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--dir", str(tmp_path)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=environment("redis"))
     procs = [redis]
     try:
         import redis as redis_py
@@ -88,7 +150,7 @@ def test_services_start_from_the_file_and_answer(compose, tmp_path):
             argv = [local(a) for a in services[name]["command"]]
             # Inside a container the service listens on 0.0.0.0:<its port>; here on loopback.
             argv = [re.sub(r"0\.0\.0\.0:\d+", f"127.0.0.1:{ports[kind]}", a) for a in argv]
-            env = {**os.environ, **env_common, "PYTHONPATH": str(REPO)}
+            env = environment(name)
             log = open(tmp_path / f"{name}.log", "w")
             proc = subprocess.Popen([sys.executable, "-m", "scheduler_svc.cli", *argv, "--torch-threads", "1"] if kind == "model" else
                                     [sys.executable, "-m", "scheduler_svc.cli", *argv], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
@@ -99,10 +161,17 @@ def test_services_start_from_the_file_and_answer(compose, tmp_path):
                      f"{name} healthcheck from the compose file", proc)
         from scheduler_svc.client import Client
 
-        with Client(f"127.0.0.1:{ports['scheduler']}", timeout=60) as c:
+        with Client(f"127.0.0.1:{ports['scheduler']}", timeout=60, api_key=SECRETS["PICOVLLM_API_KEY"]) as c:
             text, ids, last = c.complete("Once upon a time", max_tokens=12, temperature=0)
         assert len(ids) == 12 and text.startswith(", there was a little girl")
         assert client.keys("picovllm:compose:*"), "the KV-cache service wrote no metadata to the compose Redis"
+        with Client(f"127.0.0.1:{ports['scheduler']}", timeout=10, api_key="") as c:  # the file's API key is required
+            with pytest.raises(grpc.RpcError) as refused:
+                c.complete("Once upon a time", max_tokens=2)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for proc in procs:  # redis-server included: its password came on stdin
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(errors="replace")
+            assert not any(secret in cmdline for secret in SECRETS.values()), cmdline
     finally:
         for proc in reversed(procs):
             proc.kill()
