@@ -1,7 +1,8 @@
-"""`picovllm serve scheduler|kvcache|model|all`: run the gRPC services.
+"""`picovllm serve scheduler|kvcache|model|http|all`: run the gRPC services and the HTTP gateway.
 
-`all` starts the three as child processes (a one-machine deployment) and stops them
-together: SIGTERM drains the scheduler first, then stops the other two. It checks its ports
+`all` starts the four as child processes (a one-machine deployment; the OpenAI-compatible
+HTTP gateway unless --port 0) and stops them together: SIGTERM stops the gateway (its requests
+in flight finish), drains the scheduler, then stops the other two. It checks its ports
 before it starts anything, and a child that fails at start-up stops the rest.
 
 Secrets never travel in argv, where every local user reads them: the Redis URL (it may carry
@@ -61,13 +62,18 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--device": ("model", "device", str, "cpu or cuda"),
     "--dtype": ("model", "dtype", str, "float32, bfloat16 or float16"),
     "--torch-threads": ("model", "torch_threads", int, "CPU threads for torch"),
+    "--host": ("http", "host", str, "the HTTP gateway's (OpenAI-compatible API's) host"),
+    "--port": ("http", "port", int, "the HTTP gateway's port; 0: `serve all` starts no gateway"),
+    "--served-model-name": ("http", "served_model_name", str, "the model's name in the HTTP API"),
+    "--chat-template": ("http", "chat_template", str, "a Jinja chat template file, for a tokenizer without one"),
 }
 # What a default of None means, where the help cannot just show the value.
 NONE_MEANS = {
     "redis_url": "none, metadata in memory", "max_model_len": "the model's limit", "num_gpu_blocks": "measured from free memory",
     "num_cpu_blocks": "1 GiB of blocks, at most 4x the device pool", "device": "cuda if available, else cpu",
     "dtype": "bfloat16 on cuda, float32 on cpu", "torch_threads": "1 for a model under 100M parameters, else one per core",
-    "tls_cert": "none, plaintext", "tls_key": "none",
+    "tls_cert": "none, plaintext", "tls_key": "none", "served_model_name": "the basename of the model directory",
+    "chat_template": "the tokenizer's",
 }
 # Files of secrets: flag -> (environment variable, help). The variable itself, or VAR_FILE
 # naming a file, works as well; the flag wins.
@@ -79,8 +85,8 @@ SECRET_FILES: dict[str, tuple[str, str]] = {
                                     "(default: $PICOVLLM_API_KEY, else no key)"),
 }
 SECRET_VARS = tuple(v for var, _ in SECRET_FILES.values() for v in (var, f"{var}_FILE"))
-KINDS = ("scheduler", "kvcache", "model", "all")
-CHILDREN = ("kvcache", "model", "scheduler")
+KINDS = ("scheduler", "kvcache", "model", "http", "all")
+CHILDREN = ("kvcache", "model", "scheduler", "http")
 
 
 def _default_text(section: str, key: str) -> str:
@@ -95,10 +101,11 @@ def _default_text(section: str, key: str) -> str:
 def register(subparsers: argparse._SubParsersAction) -> None:
     from scheduler_svc.cli import add_log_flags
 
-    p = subparsers.add_parser("serve", help="run a gRPC service (scheduler, kvcache, model) or all three",
-                              description="Run a gRPC service, or all three as processes on this machine. Settings come from the "
+    p = subparsers.add_parser("serve", help="run a gRPC service (scheduler, kvcache, model), the HTTP gateway, or all",
+                              description="Run a gRPC service, the OpenAI-compatible HTTP gateway, or all four as processes on "
+                                          "this machine. Settings come from the "
                                           "defaults shown, then --config (or $PICOVLLM_CONFIG), then PICOVLLM_* variables, then flags.")
-    p.add_argument("kind", choices=KINDS, help="which service; 'all' runs the three as processes on this machine")
+    p.add_argument("kind", choices=KINDS, help="which service; 'all' runs them all as processes on this machine")
     p.add_argument("--config", default=None, help="YAML file with scheduler/kvcache/model sections (default: $PICOVLLM_CONFIG, else none)")
     for flag, (section, key, typ, text) in FLAGS.items():
         p.add_argument(flag, type=typ, default=None, help=f"{text} {_default_text(section, key)}")
@@ -120,7 +127,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace):
     from scheduler_svc.service_config import load_config
 
-    overrides: dict[str, dict] = {"scheduler": {}, "kvcache": {}, "model": {}}
+    overrides: dict[str, dict] = {"scheduler": {}, "kvcache": {}, "model": {}, "http": {}}
     for flag, (section, key, _, _) in FLAGS.items():
         overrides[section][key] = getattr(args, flag[2:].replace("-", "_"))
     if url_has_credentials(args.redis_url):
@@ -143,7 +150,7 @@ def with_local_model(config, kind: str):
     model, scheduler = config.model, config.scheduler
     if kind in ("model", "all"):
         model = dataclasses.replace(model, model=resolve_model(model.model))
-    if kind in ("scheduler", "all"):
+    if kind in ("scheduler", "http", "all"):  # the gateway renders chat templates with the scheduler's tokenizer
         scheduler = dataclasses.replace(scheduler, tokenizer=resolve_model(config.tokenizer))
     return dataclasses.replace(config, model=model, scheduler=scheduler)
 
@@ -176,8 +183,10 @@ def child_env(kind: str, config, creds: Credentials) -> dict[str, str]:
         env[INTERNAL_TOKEN_ENV] = creds.internal_token
     if kind == "kvcache" and config.kvcache.redis_url:
         env[REDIS_URL_ENV] = config.kvcache.redis_url
-    if kind == "scheduler" and creds.api_key:
+    if kind in ("scheduler", "http") and creds.api_key:
         env[API_KEY_ENV] = creds.api_key
+    if kind == "http":  # it calls only the public API
+        env.pop(INTERNAL_TOKEN_ENV, None)
     return env
 
 
@@ -185,13 +194,13 @@ def credentials_from_args(args: argparse.Namespace) -> Credentials:
     """The internal token and API key of `args.kind` (SecretError: unreadable or unusable)."""
     from scheduler_svc.cli import UsageError
 
-    token = read_secret(INTERNAL_TOKEN_ENV, args.internal_token_file)
-    if token is None and not args.insecure_no_auth:
+    token = None if args.kind == "http" else read_secret(INTERNAL_TOKEN_ENV, args.internal_token_file)  # public API only
+    if token is None and not args.insecure_no_auth and args.kind != "http":
         if args.kind != "all":
             raise UsageError(f"{args.kind} service: no internal token: set ${INTERNAL_TOKEN_ENV} or --internal-token-file FILE "
                              f"(the same for the three services), or --insecure-no-auth to run without one")
         token = secrets.token_urlsafe(32)  # this launch's: the children get it by environment
-    api_key = read_secret(API_KEY_ENV, args.api_key_file) if args.kind in ("scheduler", "all") else None
+    api_key = read_secret(API_KEY_ENV, args.api_key_file) if args.kind in ("scheduler", "http", "all") else None
     return Credentials(token, api_key)
 
 
@@ -245,6 +254,10 @@ async def _serve_one(kind: str, config, creds: Credentials) -> None:
         from model_svc.server import serve as serve_model
 
         await serve_model(config.model, config.scheduler.max_num_seqs, token=creds.internal_token)
+    elif kind == "http":
+        from http_svc.server import serve as serve_http
+
+        await serve_http(config, creds)
     else:
         from scheduler_svc.server import serve as serve_scheduler
 
@@ -252,11 +265,14 @@ async def _serve_one(kind: str, config, creds: Credentials) -> None:
 
 
 def _addresses(config) -> dict[str, str]:
-    """What `serve all` listens on, by what: the three services' gRPC and the metrics."""
+    """What `serve all` listens on, by what: the three services' gRPC, the metrics, the gateway."""
     s = config.scheduler
     found = {kind: getattr(config, kind).address for kind in ("scheduler", "kvcache", "model")}
     if s.metrics_port:
         found["metrics"] = f"{s.address.rpartition(':')[0]}:{s.metrics_port}"
+    if config.http.port:
+        host = config.http.host
+        found["http"] = f"[{host}]:{config.http.port}" if ":" in host else f"{host}:{config.http.port}"
     return found
 
 
@@ -267,14 +283,14 @@ def _dial(address: str) -> str:
 
 
 def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
-    """The three services as children; the first to exit (or a signal) stops the rest."""
+    """The services as children; the first to exit (or a signal) stops the rest."""
     from scheduler_svc.cli import UsageError
-    from scheduler_svc.rpc import ListenError, announce, check_can_listen, check_health
+    from scheduler_svc.rpc import ListenError, announce, check_can_listen
 
     addresses = _addresses(config)
     try:  # before any child starts: a second copy must not get half-way up
         for what, address in addresses.items():
-            check_can_listen(address, "metrics" if what == "metrics" else "")
+            check_can_listen(address, {"metrics": "metrics", "http": "HTTP"}.get(what, ""))
     except ListenError as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -282,7 +298,7 @@ def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
     except OSError as exc:
         raise UsageError(f"cannot read {exc.filename}: {exc.strerror}") from None
     children = {kind: subprocess.Popen(child_argv(args, kind), env=child_env(kind, config, creds), preexec_fn=_die_with_parent)
-                for kind in CHILDREN}
+                for kind in CHILDREN if kind != "http" or "http" in addresses}
     stopping = False
 
     def on_signal(signum, frame) -> None:
@@ -301,17 +317,30 @@ def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
                 print(f"picovllm: error: the {kind} service exited{when} (status {code}); stopping the others", file=sys.stderr)
             code = code if code > 0 else 1
             break
-        if not ready and all(check_health(_dial(addresses[k]), timeout=0.5, root_certificates=tls_root if k == "scheduler" else None)
-                             for k in reversed(CHILDREN)):
+        if not ready and all(_child_ready(k, _dial(addresses[k]), tls_root) for k in reversed(CHILDREN) if k in children):
             ready = True
             metrics = f", metrics http://{addresses['metrics']}/metrics" if "metrics" in addresses else ""
-            announce(f"ready: scheduler gRPC {addresses['scheduler']}{metrics}; kvcache gRPC {addresses['kvcache']}; "
+            gateway = f"HTTP API (OpenAI-compatible) http://{addresses['http']}/v1; " if "http" in addresses else ""
+            announce(f"ready: {gateway}scheduler gRPC {addresses['scheduler']}{metrics}; kvcache gRPC {addresses['kvcache']}; "
                      f"model gRPC {addresses['model']}")
         time.sleep(0.2)
-    for kind in ("scheduler", "model", "kvcache"):  # the scheduler drains while its peers still run
-        # A start-up that failed has nothing to drain: the operator gets the prompt back soon.
-        _stop(children[kind], timeout=(60 if kind == "scheduler" else 15) if ready else 3)
+    # The gateway first (its requests in flight finish), then the scheduler drains while its
+    # peers still run.
+    for kind in ("http", "scheduler", "model", "kvcache"):
+        if kind in children:
+            # A start-up that failed has nothing to drain: the operator gets the prompt back soon.
+            _stop(children[kind], timeout=(60 if kind in ("http", "scheduler") else 15) if ready else 3)
     return code
+
+
+def _child_ready(kind: str, address: str, tls_root: bytes | None) -> bool:
+    from scheduler_svc.rpc import check_health
+
+    if kind == "http":
+        from http_svc.health import check
+
+        return check(address, timeout=0.5)
+    return check_health(address, timeout=0.5, root_certificates=tls_root if kind == "scheduler" else None)
 
 
 def _read(path: str | None) -> bytes | None:

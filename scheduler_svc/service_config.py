@@ -5,10 +5,12 @@ Precedence, lowest first: the defaults here, the YAML file, environment variable
     scheduler:  {address: "127.0.0.1:50051", metrics_port: 9400, max_waiting: 1024, ...}
     kvcache:    {address: "127.0.0.1:50052", redis_url: null, deployment: default}
     model:      {address: "127.0.0.1:50053", model: <bundled stories260k>, block_size: 16, ...}
+    http:       {host: 127.0.0.1, port: 8000, served_model_name: null, chat_template: null, ...}
 
 Environment: PICOVLLM_CONFIG (the YAML path), PICOVLLM_SCHEDULER_ADDR, PICOVLLM_KVCACHE_ADDR,
 PICOVLLM_MODEL_ADDR, PICOVLLM_REDIS_URL, PICOVLLM_DEPLOYMENT, PICOVLLM_METRICS_PORT,
-PICOVLLM_MODEL; PICOVLLM_REDIS_URL_FILE names a file holding the Redis URL (it may carry a
+PICOVLLM_MODEL, PICOVLLM_HTTP_HOST, PICOVLLM_HTTP_PORT, PICOVLLM_SERVED_MODEL_NAME;
+PICOVLLM_REDIS_URL_FILE names a file holding the Redis URL (it may carry a
 password). Every service listens on loopback unless told otherwise.
 """
 
@@ -32,6 +34,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PICOVLLM_DEPLOYMENT": ("kvcache", "deployment"),
     "PICOVLLM_MODEL_ADDR": ("model", "address"),
     "PICOVLLM_MODEL": ("model", "model"),
+    "PICOVLLM_HTTP_HOST": ("http", "host"),
+    "PICOVLLM_HTTP_PORT": ("http", "port"),
+    "PICOVLLM_SERVED_MODEL_NAME": ("http", "served_model_name"),
 }
 
 
@@ -141,10 +146,32 @@ class ModelSection:
 
 
 @dataclass(frozen=True, slots=True)
+class HttpSection:
+    """The OpenAI-compatible HTTP gateway (http_svc), a client of the scheduler's public API."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: `serve all` starts no gateway
+    served_model_name: str | None = None  # None: the basename of the scheduler's model directory
+    chat_template: str | None = None  # a Jinja file, for a tokenizer without a chat template
+    max_request_bytes: int = 4 << 20  # a larger HTTP body gets 413 before it is parsed
+    tls_ca: str | None = None  # PEM the gateway trusts for the scheduler's TLS; None: scheduler.tls_cert
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("http.host must not be empty")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"http.port must be a port number, got {self.port!r}")
+        _positive("http", self, "max_request_bytes")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("http.served_model_name must not be blank")
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceConfig:
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     kvcache: KVCacheSection = field(default_factory=KVCacheSection)
     model: ModelSection = field(default_factory=ModelSection)
+    http: HttpSection = field(default_factory=HttpSection)
 
     @property
     def tokenizer(self) -> str:

@@ -1,0 +1,166 @@
+"""The gateway's side of the scheduler: one grpc.aio channel, the model it serves, the tokenizer.
+
+The gateway is ready once the scheduler has answered GetModelInfo and the tokenizer has
+loaded; until then every API call gets 503. Both are fetched in the background from start-up
+on, so the HTTP port answers (503, /health) while the scheduler is still starting.
+
+The tokenizer is the scheduler's (the same directory: scheduler.tokenizer, else the model);
+the gateway uses it only to render chat templates into token ids and to spell out the tokens
+of logprobs. Counts come from the scheduler's usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
+from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc import health as grpc_health
+from scheduler_svc.auth import call_metadata
+
+logger = logging.getLogger(__name__)
+
+# A restarted scheduler is noticed within about a second (gRPC's reconnect backoff otherwise
+# grows to two minutes, and every call meanwhile fails at once with UNAVAILABLE).
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_receive_message_length", 64 << 20)]
+_RETRY_S = 0.5
+
+
+class ChatTokenizer:
+    """A Hugging Face tokenizer, used for chat templates and token strings only. One thread
+    at a time enters it (a fast tokenizer may change its own settings while it encodes)."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        self._lock = threading.Lock()
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any] | None) -> list[int]:
+        """The prompt's token ids: the template renders text, which is tokenized without
+        special tokens of its own (the template already wrote them), as vLLM does."""
+        with self._lock:
+            text = self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _token_text(self, token_id: int) -> str:
+        """The token as text. A SentencePiece token's leading space (U+2581) is kept: decoding
+        it alone would drop it, as at the start of a text."""
+        with self._lock:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        return " " + text if isinstance(piece, str) and piece.startswith("\u2581") and not text.startswith(" ") else text
+
+
+def load_chat_tokenizer(directory: str, chat_template_file: str | None) -> ChatTokenizer:
+    from model_svc.loader import load_tokenizer  # the loader the scheduler uses, so both read the same files alike
+
+    template = Path(chat_template_file).read_text() if chat_template_file else None
+    return ChatTokenizer(load_tokenizer(directory), template)
+
+
+class SchedulerBackend:
+    def __init__(self, address: str, api_key: str | None, tokenizer_dir: str, *, served_model_name: str | None = None,
+                 chat_template_file: str | None = None, root_certificates: bytes | None = None) -> None:
+        self.address = address
+        self.metadata = call_metadata(api_key)
+        self.tokenizer_dir, self.chat_template_file = tokenizer_dir, chat_template_file
+        self.served_model_name = served_model_name
+        self.root_certificates = root_certificates
+        self.info: pb.GetModelInfoResponse | None = None
+        self.tokenizer: ChatTokenizer | None = None
+        self.created = int(time.time())
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: pb_grpc.SchedulerServiceStub | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.failed: BaseException | None = None  # the tokenizer could not load: the server stops
+        # Chat templates render here, off the event loop, one at a time.
+        self.render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chat-template")
+
+    @property
+    def model_name(self) -> str | None:
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(self.info.model.rstrip("/")) if self.info is not None else None
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.tokenizer is not None
+
+    async def start(self) -> None:
+        """Open the channel; fetch the model info and load the tokenizer in the background."""
+        if self.root_certificates is not None:
+            self.channel = grpc.aio.secure_channel(self.address, grpc.ssl_channel_credentials(self.root_certificates), CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.aio.insecure_channel(self.address, CHANNEL_OPTIONS)
+        self.stub = pb_grpc.SchedulerServiceStub(self.channel)
+        self._tasks = [asyncio.ensure_future(self._load_tokenizer()), asyncio.ensure_future(self._fetch_info())]
+
+    async def _load_tokenizer(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            tokenizer = await loop.run_in_executor(self.render_pool, load_chat_tokenizer, self.tokenizer_dir, self.chat_template_file)
+        except Exception as exc:  # noqa: BLE001 - a missing or unreadable file: said once, then the server stops
+            self.failed = exc
+            raise
+        self.tokenizer = tokenizer
+        logger.info("tokenizer loaded from %s (chat template: %s)", self.tokenizer_dir, "yes" if tokenizer.chat_template else "none")
+
+    async def _fetch_info(self) -> None:
+        assert self.stub is not None
+        while self.info is None:
+            try:
+                self.info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2.0, metadata=self.metadata)
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    logger.error("the scheduler refused the gateway's API key: give both the same PICOVLLM_API_KEY")
+                await asyncio.sleep(_RETRY_S)
+        logger.info("the scheduler serves %s (max_model_len %d)", self.info.model, self.info.max_model_len)
+
+    async def wait_ready(self) -> None:
+        """Returns once ready; raises what stopped the tokenizer from loading."""
+        await asyncio.gather(*self._tasks)
+
+    async def scheduler_serving(self, timeout: float = 1.0) -> bool:
+        """Whether the scheduler's grpc.health.v1 says SERVING."""
+        assert self.channel is not None
+        check = self.channel.unary_unary(f"/{grpc_health.SERVICE_NAME}/Check",
+                                         request_serializer=grpc_health.HealthCheckRequest.SerializeToString,
+                                         response_deserializer=grpc_health.HealthCheckResponse.FromString)
+        try:
+            reply = await check(grpc_health.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return reply.status == grpc_health.SERVING
+
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """The scheduler's messages for one request; leaving the loop early (an error, a
+        client that went away) cancels the call, and the scheduler aborts the request."""
+        assert self.stub is not None
+        call = self.stub.Generate(request, metadata=self.metadata)
+        try:
+            async for message in call:
+                yield message
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.channel is not None:
+            await self.channel.close()
+        self.render_pool.shutdown(wait=False)

@@ -1,0 +1,103 @@
+"""`picovllm serve http`: the gateway under uvicorn.
+
+It binds its port first (a taken port is one line and exit status 2, as for the gRPC
+services), answers 503 until the scheduler has answered and the tokenizer has loaded, then
+prints one line naming its URL. SIGTERM stops new connections and lets the requests in
+flight finish for up to scheduler.drain_timeout_s (uvicorn's graceful shutdown); `serve all`
+stops the gateway before it drains the scheduler.
+
+Credentials: the API key (PICOVLLM_API_KEY, PICOVLLM_API_KEY_FILE or --api-key-file; never a
+flag) is both what HTTP callers must present and what the gateway presents to the scheduler.
+The gateway needs no internal token: it calls only the public API. TLS to the scheduler
+trusts http.tls_ca, else scheduler.tls_cert (its own certificate, on one machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+
+from http_svc.app import create_app
+from http_svc.backend import SchedulerBackend
+from scheduler_svc.auth import Credentials
+from scheduler_svc.rpc import ListenError, announce
+from scheduler_svc.service_config import ServiceConfig
+
+logger = logging.getLogger(__name__)
+
+
+def url(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def dial_address(address: str) -> str:
+    """Where to connect for an address a server listens on (a wildcard host: loopback)."""
+    host, _, port = address.rpartition(":")
+    return f"{ {'0.0.0.0': '127.0.0.1', '[::]': '[::1]'}.get(host, host)}:{port}"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, or ListenError naming the address."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ListenError(f"cannot listen on {host}:{port} (HTTP): {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port} (HTTP): {(exc.strerror or str(exc)).lower()}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def make_backend(config: ServiceConfig, creds: Credentials) -> SchedulerBackend:
+    h = config.http
+    return SchedulerBackend(dial_address(config.scheduler.address), creds.api_key, config.tokenizer,
+                            served_model_name=h.served_model_name, chat_template_file=h.chat_template,
+                            root_certificates=_read(h.tls_ca or config.scheduler.tls_cert))
+
+
+async def serve(config: ServiceConfig, credentials: Credentials | None = None) -> None:
+    """Run until SIGTERM/SIGINT (uvicorn's own handlers)."""
+    h = config.http
+    creds = credentials or Credentials()
+    if h.chat_template is not None:
+        _read(h.chat_template)  # unreadable: one line now, not a failure later
+    sock = bind(h.host, h.port)
+    port = sock.getsockname()[1]
+    backend = make_backend(config, creds)
+    app = create_app(backend, creds.api_key, h.max_request_bytes)
+    # log_config None: uvicorn's loggers go through the process's own logging set-up (-v, --log-level).
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=max(1, int(config.scheduler.drain_timeout_s))))
+    await backend.start()
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    ready = asyncio.ensure_future(backend.wait_ready())
+    try:
+        await asyncio.wait({serving, ready}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready.exception() is None:
+            announce(f"http gateway ready: {url(h.host, port)} (OpenAI-compatible API, model {backend.model_name})")
+        elif ready.done():  # the tokenizer did not load: nothing to serve
+            server.should_exit = True
+            await serving
+            raise ValueError(f"cannot load the tokenizer from {config.tokenizer}: {ready.exception()}")
+        await serving
+    finally:
+        ready.cancel()
+        await backend.close()
+        sock.close()

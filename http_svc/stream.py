@@ -1,0 +1,139 @@
+"""Server-sent events and the life of the scheduler streams behind one HTTP request.
+
+SSE framing is FastAPI's (Starlette's) StreamingResponse with media type text/event-stream,
+each event one `data: <json>` line and a blank line, closed by `data: [DONE]`, as OpenAI
+sends them. We use it rather than sse-starlette: the OpenAI stream needs no event names, ids,
+retries or pings, and StreamingResponse under uvicorn already watches for the client going
+away (it cancels the body iterator on http.disconnect), which is what aborts the request.
+
+A request with several prompts runs one scheduler stream per prompt at once; their messages
+are merged in arrival order, each tagged with its choice index. Whatever ends the merge (the
+last message, an error, a disconnect) cancels every call still open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from http_svc.errors import from_rpc
+from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
+
+T = TypeVar("T")
+Tagged = tuple[int, pb.GenerateResponse]
+DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def merged(streams: list[AsyncIterator[pb.GenerateResponse]]) -> AsyncIterator[Tagged]:
+    """(choice index, message) from every stream as they come; the first error ends it all."""
+    if len(streams) == 1:
+        try:
+            async for message in streams[0]:
+                yield 0, message
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[Tagged | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[pb.GenerateResponse]) -> None:
+        try:
+            async for message in stream:
+                await queue.put((index, message))
+            await queue.put(None)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)  # type: ignore[attr-defined]
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read: the next ASGI message is
+    the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (with `work` cancelled) when the client leaves first."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+async def first_then_rest(request: Request, messages: AsyncIterator[Tagged]) -> AsyncIterator[Tagged]:
+    """Waits for the first message before any byte of the response is sent, so that what
+    fails at once (a full queue, a bad request, the scheduler down) gets its own HTTP
+    status; then the same messages, the first included."""
+    first = await until_disconnect(request, anext(messages))  # StopAsyncIteration cannot happen: a stream ends on a finish
+
+    async def chained() -> AsyncIterator[Tagged]:
+        try:
+            yield first
+            async for item in messages:
+                yield item
+        finally:
+            await messages.aclose()  # type: ignore[attr-defined]
+
+    return chained()
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """The SSE response; an error after the first event becomes an error event (OpenAI's
+    error object, which the official clients raise) before [DONE]."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except grpc.RpcError as err:
+            yield sse(from_rpc(err).body())
+            yield DONE
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def collect(messages: AsyncIterator[Tagged], on_message: Callable[[int, pb.GenerateResponse], None]) -> None:
+    try:
+        async for index, message in messages:
+            on_message(index, message)
+    finally:
+        await messages.aclose()  # type: ignore[attr-defined]
