@@ -2,12 +2,15 @@
 (SIGSTOP: it neither answers nor refuses) turns the scheduler's health NOT_SERVING within 5 s
 and SERVING again after SIGCONT; a request without a client deadline, in flight or sent
 during the outage, ends with UNAVAILABLE once the configured dependency timeout has passed,
-and what the client is told names no internal address."""
+and what the client is told names no internal address. A Redis outage does the same through
+the KV-cache service's health, and no Redis error text reaches the client."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import threading
 import time
 
@@ -15,7 +18,7 @@ import grpc
 import pytest
 
 from scheduler_svc.rpc import check_health
-from tests.services.conftest import Stack, wait_for
+from tests.services.conftest import Stack, free_port, wait_for
 
 DEPENDENCY_TIMEOUT_S = 3.0
 
@@ -76,3 +79,38 @@ def test_frozen_model_service(stack):
         text, ids, _ = c.complete("Once upon a time", max_tokens=8, temperature=0.0)
     assert len(ids) == 8 and text.startswith(", there was")
     stack.wait_kv_clean(timeout=30)
+
+
+def _redis(port: int, tmp) -> subprocess.Popen:
+    return subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=tmp)
+
+
+def test_redis_outage(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    redis = _redis(port, tmp_path)
+    stack = None
+    try:
+        stack = Stack(tmp_path, redis_url=f"redis://127.0.0.1:{port}/0", deployment="outage",
+                      scheduler_args=["--dependency-timeout", str(DEPENDENCY_TIMEOUT_S)])
+        redis.kill()
+        redis.wait(timeout=10)
+        wait_for(lambda: not check_health(stack.addr["kvcache"], timeout=0.5), 5, "kvcache NOT_SERVING without Redis")
+        wait_for(lambda: not check_health(stack.addr["scheduler"], timeout=0.5), 5, "scheduler NOT_SERVING without Redis")
+        outage: dict = {}
+        sent = time.monotonic()
+        _request(stack, outage, None, 8)
+        assert outage["code"] == grpc.StatusCode.UNAVAILABLE and outage["ended"] - sent < DEPENDENCY_TIMEOUT_S + 1.5
+        assert "redis" not in outage["details"].lower() and "127.0.0.1" not in outage["details"], outage["details"]
+        redis = _redis(port, tmp_path)  # back, empty: the scheduler resets the pools
+        wait_for(lambda: check_health(stack.addr["scheduler"], timeout=0.5), 30, "scheduler SERVING with Redis back")
+        with stack.client(timeout=60) as c:
+            text, ids, _ = c.complete("Once upon a time", max_tokens=8, temperature=0.0)
+        assert len(ids) == 8 and text.startswith(", there was")
+    finally:
+        if stack is not None:
+            stack.close()
+        redis.kill()
+        redis.wait(timeout=10)

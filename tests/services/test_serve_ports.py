@@ -16,9 +16,10 @@ import pytest
 
 from scheduler_svc.client import Client
 from scheduler_svc.rpc import check_health
-from tests.services.conftest import REPO, ServiceProcess, Stack, free_port, wait_for
+from tests.services.conftest import INTERNAL_TOKEN, REPO, ServiceProcess, Stack, free_port, wait_for
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+       "PICOVLLM_INTERNAL_TOKEN": INTERNAL_TOKEN}
 
 
 def serve_args(addr: dict[str, str], metrics_port: int) -> list[str]:
