@@ -1,6 +1,7 @@
 """What an attacker on this machine meets (docs/SECURITY.md), with real processes on loopback.
 
-One `picovllm serve all` with its defaults (the default ports when they are free), its Redis
+One `picovllm serve all` (its four children: the three gRPC services and the HTTP gateway)
+with its defaults (the default ports when they are free), its Redis
 URL with a password and its API key in the environment, TLS on the public API when openssl
 is there to make a certificate:
 
@@ -36,7 +37,9 @@ from tests.services.conftest import REPO, ServiceProcess, free_port, wait_for
 
 REDIS_PASSWORD = "redis-secret-" + os.urandom(8).hex()
 API_KEY = "api-key-secret-" + os.urandom(8).hex()
-DEFAULTS = {"scheduler": "127.0.0.1:50051", "kvcache": "127.0.0.1:50052", "model": "127.0.0.1:50053", "metrics": "127.0.0.1:9400"}
+DEFAULTS = {"scheduler": "127.0.0.1:50051", "kvcache": "127.0.0.1:50052", "model": "127.0.0.1:50053", "metrics": "127.0.0.1:9400",
+            "http": "127.0.0.1:8000"}
+CHILDREN = {"kvcache", "model", "scheduler", "http"}
 
 
 # ----------------------------------------------------------------- /proc
@@ -128,7 +131,7 @@ def deployment(tmp_path_factory):
     args = ["--device", "cpu", "--torch-threads", "1", "--num-gpu-blocks", "128", "--num-cpu-blocks", "16"]
     if not defaults:  # another server holds a default port: the same hosts, other ports
         args += ["--scheduler-addr", addr["scheduler"], "--kvcache-addr", addr["kvcache"], "--model-addr", addr["model"],
-                 "--metrics-port", addr["metrics"].rpartition(":")[2]]
+                 "--metrics-port", addr["metrics"].rpartition(":")[2], "--port", addr["http"].rpartition(":")[2]]
     tls = make_certificate(tmp)
     if tls is not None:
         args += ["--tls-cert", tls[0], "--tls-key", tls[1]]
@@ -142,7 +145,7 @@ def deployment(tmp_path_factory):
         for pid in process_tree(proc.proc.pid)[1:]:
             kind = cmdline(pid).split(" serve ")[-1].split()[0]
             children[kind] = pid
-        assert set(children) == {"kvcache", "model", "scheduler"}, children
+        assert set(children) == CHILDREN, children
         yield {"addr": addr, "proc": proc, "children": children, "tls": tls, "root": root,
                "token": environ(children["model"])["PICOVLLM_INTERNAL_TOKEN"]}
     finally:
@@ -158,7 +161,7 @@ def test_every_listener_is_on_loopback(deployment):
     mine = [listening[inode] for pid in tree for inode in socket_inodes(pid) if inode in listening]
     ports = {port for _, port in mine}
     expected = {int(a.rpartition(":")[2]) for a in deployment["addr"].values()}
-    assert expected <= ports, (mine, expected)  # the three gRPC servers and the metrics are all seen
+    assert expected <= ports, (mine, expected)  # the gRPC servers, the metrics and the gateway are all seen
     outside = [(host, port) for host, port in mine if not ipaddress.ip_address(host).is_loopback]
     assert not outside, f"listening beyond loopback: {outside}"
 
@@ -171,10 +174,11 @@ def test_no_secret_in_any_argv_and_each_child_holds_only_its_own(deployment):
         for secret in (REDIS_PASSWORD, API_KEY, token):
             assert secret not in line, line
     envs = {kind: environ(pid) for kind, pid in children.items()}
-    assert {e["PICOVLLM_INTERNAL_TOKEN"] for e in envs.values()} == {token}
+    assert {envs[k]["PICOVLLM_INTERNAL_TOKEN"] for k in ("kvcache", "model", "scheduler")} == {token}
+    assert "PICOVLLM_INTERNAL_TOKEN" not in envs["http"]  # the gateway calls the public API only
     assert REDIS_PASSWORD in envs["kvcache"]["PICOVLLM_REDIS_URL"]
-    assert "PICOVLLM_REDIS_URL" not in envs["model"] and "PICOVLLM_REDIS_URL" not in envs["scheduler"]
-    assert envs["scheduler"]["PICOVLLM_API_KEY"] == API_KEY
+    assert not any("PICOVLLM_REDIS_URL" in envs[k] for k in ("model", "scheduler", "http"))
+    assert envs["scheduler"]["PICOVLLM_API_KEY"] == envs["http"]["PICOVLLM_API_KEY"] == API_KEY
     assert "PICOVLLM_API_KEY" not in envs["model"] and "PICOVLLM_API_KEY" not in envs["kvcache"]
 
 
