@@ -9,7 +9,7 @@ is there to make a certificate:
   sockets of /proc/net/tcp{,6} whose inodes the processes hold);
 - no secret is in any process's argv; the children share one internal token made for this
   launch, each child holding only the secrets it needs;
-- the internal services refuse Step, GetState and ApplyStep without the token (or with a
+- the internal services refuse Step, StepStream, GetState and ApplyStep without the token (or with a
   wrong one) with UNAUTHENTICATED and serve them with it; a reset asking for absurd pools is
   refused before it allocates; health stays open;
 - the public API refuses a missing or wrong API key and serves the right one.
@@ -203,6 +203,8 @@ def test_internal_services_need_the_token(deployment):
         crafted = model_pb.StepRequest(expected_epoch=epoch, copies=model_pb.BlockCopies(src=[0, 1], dst=[2, 3]))
         for metadata in bad:
             assert _code(lambda: model.Step(crafted, timeout=10, metadata=metadata)) == grpc.StatusCode.UNAUTHENTICATED
+            stream = lambda: list(model.StepStream(iter([crafted]), timeout=10, metadata=metadata))  # noqa: E731
+            assert _code(stream) == grpc.StatusCode.UNAUTHENTICATED
             assert _code(lambda: kv.GetState(kv_pb.GetStateRequest(), timeout=10, metadata=metadata)) == grpc.StatusCode.UNAUTHENTICATED
             assert _code(lambda: kv.ApplyStep(huge_reset, timeout=10, metadata=metadata)) == grpc.StatusCode.UNAUTHENTICATED
         # With the token the calls reach the services: an empty step runs, the state is read,
