@@ -52,12 +52,13 @@ def compose() -> dict:
 
 def test_deployment_rules(compose):
     services = compose["services"]
-    assert set(services) >= {"redis", "kvcache", "model", "model-cpu", "scheduler"}
-    # Only the scheduler publishes ports: its gRPC endpoint and metrics.
+    assert set(services) >= {"redis", "kvcache", "model", "model-cpu", "scheduler", "http"}
+    # Only the scheduler (its gRPC endpoint and metrics) and the HTTP gateway publish ports.
     published = {name for name, svc in services.items() if svc.get("ports")}
-    assert published == {"scheduler"}
+    assert published == {"scheduler", "http"}
     assert {p.split(":")[-1] for p in services["scheduler"]["ports"]} == {"50051", "9400"}
-    assert all(p.startswith("127.0.0.1:") for p in services["scheduler"]["ports"])  # the host's loopback only
+    assert [p.split(":")[-1] for p in services["http"]["ports"]] == ["8000"]
+    assert all(p.startswith("127.0.0.1:") for name in published for p in services[name]["ports"])  # the host's loopback only
     # Redis: a password and append-only persistence on a volume.
     redis_cmd = " ".join(services["redis"]["command"])
     assert "requirepass" in redis_cmd and "--appendonly yes" in redis_cmd
@@ -67,11 +68,12 @@ def test_deployment_rules(compose):
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     assert services["model-cpu"]["profiles"] == ["cpu"] and "deploy" not in services["model-cpu"]
     # Health-gated start order, healthchecks on every service, model directory read-only.
-    for name in ("kvcache", "model", "model-cpu", "scheduler", "redis"):
+    for name in ("kvcache", "model", "model-cpu", "scheduler", "redis", "http"):
         assert services[name]["healthcheck"]["test"], name
     assert all(dep["condition"] == "service_healthy" for dep in services["scheduler"]["depends_on"].values())
+    assert services["http"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
     assert services["kvcache"]["depends_on"]["redis"]["condition"] == "service_healthy"
-    for name in ("model", "model-cpu"):
+    for name in ("model", "model-cpu", "http"):
         assert all(v.endswith(":ro") for v in services[name]["volumes"])
 
 
@@ -108,6 +110,9 @@ def test_secrets_are_required_and_never_on_a_command_line(compose):
         assert ("PICOVLLM_REDIS_URL" in env) == (name == "kvcache"), name
         assert ("PICOVLLM_API_KEY" in env) == (name == "scheduler"), name
     assert "REDIS_PASSWORD" in services["redis"]["environment"]
+    # The HTTP gateway calls only the public API: the API key, neither the token nor Redis.
+    assert set(services["http"]["environment"]) & {"PICOVLLM_API_KEY", "PICOVLLM_INTERNAL_TOKEN", "PICOVLLM_REDIS_URL"} == {
+        "PICOVLLM_API_KEY"}
 
 
 def test_image_runs_as_a_non_root_user():
@@ -120,14 +125,15 @@ def test_services_start_from_the_file_and_answer(compose, tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
     services = compose["services"]
-    ports = {"scheduler": free_port(), "kvcache": free_port(), "model": free_port(), "redis": free_port(), "metrics": free_port()}
+    ports = {"scheduler": free_port(), "kvcache": free_port(), "model": free_port(), "redis": free_port(), "metrics": free_port(),
+             "http": free_port()}
     host_env = SECRETS
 
     def local(value: str) -> str:
         """Compose hostnames -> loopback ports; container paths -> this checkout."""
         value = _interpolate(value, host_env)
         value = value.replace("@redis:6379", f"@127.0.0.1:{ports['redis']}")
-        for name in ("scheduler", "kvcache", "model"):
+        for name in ("scheduler", "kvcache", "model", "http"):
             value = re.sub(rf"(^|[^\w-]){name}:\d+", lambda m, n=name: f"{m.group(1)}127.0.0.1:{ports[n]}", value)
         return value.replace("/models/model", str(REPO / "model_svc" / "bundled" / "stories260k"))
 
@@ -146,10 +152,12 @@ def test_services_start_from_the_file_and_answer(compose, tmp_path):
 
         client = redis_py.Redis(port=ports["redis"], password=PASSWORD, socket_timeout=2)
         wait_for(lambda: _ping(client), 10, "redis from the compose command", redis)
-        for name, kind in (("kvcache", "kvcache"), ("model-cpu", "model"), ("scheduler", "scheduler")):
+        for name, kind in (("kvcache", "kvcache"), ("model-cpu", "model"), ("scheduler", "scheduler"), ("http", "http")):
             argv = [local(a) for a in services[name]["command"]]
             # Inside a container the service listens on 0.0.0.0:<its port>; here on loopback.
             argv = [re.sub(r"0\.0\.0\.0:\d+", f"127.0.0.1:{ports[kind]}", a) for a in argv]
+            if kind == "http":  # --host 0.0.0.0 --port 8000
+                argv = [{"0.0.0.0": "127.0.0.1", "8000": str(ports["http"])}.get(a, a) for a in argv]
             env = environment(name)
             log = open(tmp_path / f"{name}.log", "w")
             proc = subprocess.Popen([sys.executable, "-m", "scheduler_svc.cli", *argv, "--torch-threads", "1"] if kind == "model" else
@@ -169,6 +177,12 @@ def test_services_start_from_the_file_and_answer(compose, tmp_path):
             with pytest.raises(grpc.RpcError) as refused:
                 c.complete("Once upon a time", max_tokens=2)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        import openai  # the gateway, with the file's API key
+
+        gateway = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key=SECRETS["PICOVLLM_API_KEY"], max_retries=0)
+        assert [m.id for m in gateway.models.list().data] == ["model"]  # SERVED_MODEL_NAME's default
+        reply = gateway.completions.create(model="model", prompt="Once upon a time", max_tokens=12, temperature=0)
+        assert reply.choices[0].text == text
         for proc in procs:  # redis-server included: its password came on stdin
             cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(errors="replace")
             assert not any(secret in cmdline for secret in SECRETS.values()), cmdline

@@ -25,7 +25,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.e
 def serve_args(addr: dict[str, str], metrics_port: int) -> list[str]:
     return ["--scheduler-addr", addr["scheduler"], "--kvcache-addr", addr["kvcache"], "--model-addr", addr["model"],
             "--metrics-port", str(metrics_port), "--device", "cpu", "--torch-threads", "1", "--num-gpu-blocks", "64",
-            "--num-cpu-blocks", "16"]
+            "--num-cpu-blocks", "16", "--port", str(free_port())]  # the HTTP gateway's
 
 
 def run_cli(*argv: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
