@@ -52,6 +52,12 @@ class FailedPrecondition(PicoError):
     pass
 
 
+class Unauthenticated(PicoError):
+    """A peer refused this process's credentials (its internal token differs). Not mapped to
+    a status of its own: a public caller whose request it stops gets INTERNAL, not a hint
+    that its own key was wrong."""
+
+
 class OutOfRange(PicoError):
     """A request that cannot go on within the server's limits (it outgrew the KV cache)."""
 

@@ -26,7 +26,7 @@ import grpc
 
 from scheduler_svc import health as health_fallback
 from scheduler_svc.auth import TokenAuthInterceptor
-from scheduler_svc.errors import ErrorInterceptor, error_from_rpc
+from scheduler_svc.errors import ErrorInterceptor, Unauthenticated, error_from_rpc
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +237,9 @@ def call_with_retry(method: Callable[..., Any], request: Any, retry_until: float
                 return first()  # a failed call raises its RpcError here
             return method(request, timeout=t, wait_for_ready=attempt > 0)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise Unauthenticated(f"{what}: refused this process's internal token (every service needs the same "
+                                      f"PICOVLLM_INTERNAL_TOKEN)") from None
             if err.code() not in RETRYABLE:
                 raise (error_from_rpc(err) or RuntimeError(f"{what}: {err.code().name}: {err.details()}")) from None
             if time.monotonic() + delay >= retry_until:

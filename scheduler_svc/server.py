@@ -329,6 +329,8 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
     await asyncio.wait([build, stopped], return_when=asyncio.FIRST_COMPLETED)
     watch = None
     if build.done():
+        if build.exception() is not None:  # peers never up, or they refused us: the port is free before the one-line error
+            await running.server.stop(None)
         servicer.llm = AsyncLLM(build.result())
 
         async def peers_down(down: bool) -> None:

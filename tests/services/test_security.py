@@ -255,6 +255,15 @@ def _run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.Comple
                           env={**base, "PYTHONPATH": str(REPO), **(env or {})})
 
 
+def test_a_scheduler_with_another_token_stops_in_one_line(deployment):
+    addr = deployment["addr"]
+    out = _run_cli("serve", "scheduler", "--scheduler-addr", f"127.0.0.1:{free_port()}", "--metrics-port", "0",
+                   "--kvcache-addr", addr["kvcache"], "--model-addr", addr["model"],
+                   env={"PICOVLLM_INTERNAL_TOKEN": "not-the-launch-token-0123456789"})
+    assert out.returncode == 2 and "PICOVLLM_INTERNAL_TOKEN" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and deployment["token"] not in out.stderr, out.stderr
+
+
 def test_secrets_on_the_command_line_and_missing_tokens_are_refused_in_one_line():
     addr = f"127.0.0.1:{free_port()}"
     url = _run_cli("serve", "kvcache", "--kvcache-addr", addr, "--redis-url", f"redis://:{REDIS_PASSWORD}@127.0.0.1:1/0")
