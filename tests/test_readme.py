@@ -2,7 +2,9 @@
 docs/ points at a file that exists (and, with a #fragment into markdown, at a heading of it).
 
 Each ```python block runs in its own interpreter with the repository as the working
-directory, on the CPU with the bundled model, as a reader would paste it."""
+directory, on the CPU with the bundled model, as a reader would paste it. A block that talks
+to a server (its code names a `base_url`) gets `picovllm serve all` started by the test, on
+free ports that replace the default ones in the block."""
 
 from __future__ import annotations
 
@@ -46,9 +48,28 @@ def test_readme_has_python_examples():
     assert len(python_blocks(README)) >= 2
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`picovllm serve all` with the bundled model, started on the first block that needs it."""
+    started = []
+
+    def get():
+        if not started:
+            from tests.http.conftest import ServeAll
+
+            started.append(ServeAll(tmp_path_factory.mktemp("readme-server"), ["--num-gpu-blocks", "128", "--num-cpu-blocks", "16"]))
+        return started[0]
+
+    yield get
+    for stack in started:
+        stack.close()
+
+
 @pytest.mark.parametrize("index", range(len(python_blocks(README))))
-def test_readme_python_block_runs(index):
+def test_readme_python_block_runs(index, server):
     code = python_blocks(README)[index]
+    if "base_url" in code:
+        code = code.replace("http://127.0.0.1:8000", server().url)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"README python block {index} failed:\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"
