@@ -15,18 +15,30 @@ trusts http.tls_ca, else scheduler.tls_cert (its own certificate, on one machine
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+from collections.abc import Iterator
 
 import uvicorn
 
 from http_svc.app import create_app
 from http_svc.backend import SchedulerBackend
 from scheduler_svc.auth import Credentials
-from scheduler_svc.rpc import ListenError, announce
+from scheduler_svc.rpc import ListenError, announce, stop_event
 from scheduler_svc.service_config import ServiceConfig
 
 logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """Signals are the process's (rpc.stop_event), as in the gRPC services: uvicorn's own
+    handlers would raise SIGTERM again after the graceful stop, and the process would end by
+    the signal instead of with status 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def url(host: str, port: int) -> str:
@@ -76,18 +88,23 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
     """Run until SIGTERM/SIGINT (uvicorn's own handlers)."""
     h = config.http
     creds = credentials or Credentials()
-    if h.chat_template is not None:
-        _read(h.chat_template)  # unreadable: one line now, not a failure later
+    if h.chat_template is not None:  # unreadable: one line now, not a failure later
+        try:
+            _read(h.chat_template)
+        except OSError as exc:
+            raise ValueError(f"cannot read the chat template {h.chat_template}: {exc.strerror}") from None
     sock = bind(h.host, h.port)
     port = sock.getsockname()[1]
     backend = make_backend(config, creds)
     app = create_app(backend, creds.api_key, h.max_request_bytes)
     # log_config None: uvicorn's loggers go through the process's own logging set-up (-v, --log-level).
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+    server = _Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=max(1, int(config.scheduler.drain_timeout_s))))
     await backend.start()
+    stop = stop_event()
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     ready = asyncio.ensure_future(backend.wait_ready())
+    stopping = asyncio.ensure_future(_exit_on(stop, server))
     try:
         await asyncio.wait({serving, ready}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and ready.exception() is None:
@@ -95,9 +112,16 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
         elif ready.done():  # the tokenizer did not load: nothing to serve
             server.should_exit = True
             await serving
-            raise ValueError(f"cannot load the tokenizer from {config.tokenizer}: {ready.exception()}")
+            why = " ".join(str(ready.exception()).split())  # one line: transformers' messages span several
+            raise ValueError(f"cannot load the tokenizer from {config.tokenizer}: {why}")
         await serving
     finally:
         ready.cancel()
+        stopping.cancel()
         await backend.close()
         sock.close()
+
+
+async def _exit_on(stop: asyncio.Event, server: uvicorn.Server) -> None:
+    await stop.wait()
+    server.should_exit = True  # uvicorn's graceful stop: no new connections, the open ones finish
