@@ -74,4 +74,6 @@ def from_rpc(err: grpc.RpcError) -> APIError:
     return APIError(500, "internal error (the server log has the details)")
 
 
-STARTING = APIError(503, "the server is starting (waiting for the scheduler and the tokenizer); try again later")
+def starting() -> APIError:
+    """A new one per answer (an exception object raised again keeps growing its traceback)."""
+    return APIError(503, "the server is starting (waiting for the scheduler and the tokenizer); try again later")

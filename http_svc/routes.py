@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from http_svc import convert, stream
 from http_svc.backend import SchedulerBackend
-from http_svc.errors import STARTING, APIError, from_rpc
+from http_svc.errors import APIError, from_rpc, starting
 from http_svc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 router = APIRouter()
@@ -28,7 +28,7 @@ CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer: 
 def _backend(request: Request) -> SchedulerBackend:
     backend: SchedulerBackend = request.app.state.backend
     if not backend.ready:
-        raise STARTING
+        raise starting()
     return backend
 
 

@@ -82,3 +82,25 @@ def test_64_concurrent_streaming_chats_complete(qwen):
     results = asyncio.run(run())
     assert len(results) == 64 and all(reason == "length" for _, reason in results), results
     qwen.wait_kv_clean()
+
+
+def test_chat_template_flag_gives_chat_to_a_model_without_one(bundled, tmp_path):
+    """A second gateway, alone (`serve http`), in front of the bundled model's scheduler, whose
+    tokenizer has no chat template: --chat-template supplies one."""
+    import openai
+
+    from tests.http.conftest import API_KEY, http_ok
+    from tests.services.conftest import ServiceProcess, free_port, wait_for
+
+    port = free_port()
+    gateway = ServiceProcess("http", ["--scheduler-addr", bundled.addr["scheduler"], "--port", str(port),
+                                      "--chat-template", str(QWEN2_TOKENIZER / "chat_template.jinja")], tmp_path,
+                             env={"PICOVLLM_API_KEY": API_KEY})
+    try:
+        wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 60, "the second gateway", gateway.proc)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="stories260k", messages=[{"role": "user", "content": "Tell me a story."}],
+                                               **GREEDY)
+        assert reply.choices[0].message.content and reply.usage.completion_tokens == 12
+    finally:
+        gateway.kill()
