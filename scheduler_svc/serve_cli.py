@@ -78,7 +78,8 @@ NONE_MEANS = {
 # Files of secrets: flag -> (environment variable, help). The variable itself, or VAR_FILE
 # naming a file, works as well; the flag wins.
 SECRET_FILES: dict[str, tuple[str, str]] = {
-    "--redis-url-file": (REDIS_URL_ENV, "a file holding the Redis URL (which may carry a password)"),
+    "--redis-url-file": (REDIS_URL_ENV, "a file holding the Redis URL, which may carry a password "
+                                        "(default: $PICOVLLM_REDIS_URL, else the KV metadata stays in memory)"),
     "--internal-token-file": (INTERNAL_TOKEN_ENV, "a file holding the internal token, the same for the three services "
                                                   "(default: $PICOVLLM_INTERNAL_TOKEN; `serve all` makes one per launch)"),
     "--api-key-file": (API_KEY_ENV, "a file holding the API key the public API then requires as 'authorization: Bearer <key>' "
@@ -119,7 +120,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(flag, default=None, metavar="FILE", help=text)
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="let the internal services run without the internal token: anyone who reaches them can read and "
-                        "corrupt other users' state (docs/SECURITY.md)")
+                        "corrupt other users' state (default: off; docs/SECURITY.md)")
     add_log_flags(p)
     p.set_defaults(func=cmd_serve)
 
