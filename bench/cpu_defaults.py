@@ -60,7 +60,7 @@ def _free_ports(n: int) -> list[int]:
 
 def locust_rps(threads: int | None, seconds: int, users: int) -> dict[str, float]:
     """Requests/s, TTFT and ITL medians of locust short_chat against a fresh `serve all`."""
-    from scheduler_svc.rpc import check_health
+    from contracts.health import check_health
 
     sched, kv, model, metrics = _free_ports(4)
     addr = f"127.0.0.1:{sched}"

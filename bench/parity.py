@@ -34,7 +34,7 @@ def greedy_with_gaps(runner, prompts: list[list[int]], max_tokens: int, batched:
     """Step the runner directly, one sequence at a time (batch-1 decode) or, batched, all of
     them in every step (decode batches of len(prompts)), and record, per generated token, the
     top-2 logit gap of its logits and the two tokens."""
-    from model_svc.step import SeqStep, StepInput
+    from contracts.step import SeqStep, StepInput
     from scheduler_svc import SamplingParams
 
     results = []
@@ -102,8 +102,8 @@ def _tables(prompts: list[list[int]], max_tokens: int, block_size: int) -> list[
 
 
 def _greedy_batched(runner, prompts, max_tokens, params, gaps_hook) -> list[tuple[list[int], list[Top2]]]:
+    from contracts.step import SeqStep, StepInput
     from model_svc.runner import _longest_first
-    from model_svc.step import SeqStep, StepInput
 
     tables = _tables(prompts, max_tokens, runner.block_size)
     steps = [SeqStep(f"p{i}", list(p), 0, True, 0, tables[i], params, list(p)) for i, p in enumerate(prompts)]
@@ -198,8 +198,8 @@ def reference_margins(model: str, device: str, dtype: str | None, folded: bool, 
     """For each (tokens, x, y): the fp32 logit of x minus that of y at the position after
     `tokens`, from the plain path in fp32 on the model's 16-bit weights (norm weights folded as
     the optimized model's are, then upcast, which is exact)."""
+    from contracts.step import SeqStep, StepInput
     from model_svc.runner import ModelRunner
-    from model_svc.step import SeqStep, StepInput
     from scheduler_svc import SamplingParams
 
     blocks = max(-(-len(t) // 16) for t, _, _ in cases) + 1

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import device_sync, environment, make_llm, percentile, write_result  # noqa: E402
 from bench.throughput import RunCounters  # noqa: E402
-from scheduler_svc import phase_times  # noqa: E402
+from contracts import phase_times  # noqa: E402
 
 
 def run(args, caching: bool, profile: str | None = None) -> list[dict]:

@@ -24,7 +24,7 @@ from bench.common import build_runner, device_sync  # noqa: E402
 
 
 def setup_decode(runner, batch: int, context: int, temperature: float):
-    from model_svc.step import SeqStep
+    from contracts.step import SeqStep
     from scheduler_svc import SamplingParams
 
     bs = runner.block_size
@@ -41,7 +41,7 @@ def setup_decode(runner, batch: int, context: int, temperature: float):
 
 
 def decode_steps(runner, steps, n: int) -> None:
-    from model_svc.step import SeqStep, StepInput
+    from contracts.step import SeqStep, StepInput
 
     for i in range(n):
         out = runner.step(StepInput(seqs=steps))

@@ -109,7 +109,7 @@ class Services:
         self.start("model", *model_args)
 
     def start(self, kind: str, *args: str) -> None:
-        from scheduler_svc.rpc import check_health
+        from contracts.health import check_health
 
         cmd = [sys.executable, "-m", "scheduler_svc.cli", "serve", kind, *self.common, *args]
         self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -121,7 +121,7 @@ class Services:
             time.sleep(0.1)
 
     def config(self, **scheduler):
-        from scheduler_svc.service_config import load_config
+        from contracts.service_config import load_config
 
         overrides = {k: {"address": v} for k, v in self.addr.items()}
         overrides["scheduler"].update(scheduler)
@@ -138,7 +138,7 @@ class Services:
 
 
 def bench_service_engine(services: Services, prompts, max_tokens, repeats: int, pipelined: bool = False) -> dict:
-    from model_svc.step import StepInput
+    from contracts.step import StepInput
     from scheduler_svc.remote_engine import build_service_engine
 
     engine = build_service_engine(services.config(async_scheduling=pipelined), token=services.token)

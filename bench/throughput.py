@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import copy_bandwidth, device_sync, environment, make_llm, matmul_flops, write_result  # noqa: E402
-from scheduler_svc import phase_times  # noqa: E402
-from scheduler_svc.cli import HelpFormatter  # noqa: E402
+from contracts import phase_times  # noqa: E402
+from scheduler_svc.cli_args import HelpFormatter  # noqa: E402
 
 MODEL_PHASES_BEFORE: dict[str, tuple[float, int]] = {}  # the model service's phase totals when the timed call began
 
@@ -289,7 +289,7 @@ def main() -> None:
         f"scheduler steps {args.num_scheduler_steps}, overlapped scheduling {overlapped} (pipeline depth {llm_depth})",
     ]
     if phase_rows:
-        lines += ["", "(phase tables: PICOVLLM_PHASE_TIMES was set; wall time per phase of each process, see scheduler_svc/phase_times.py)", *phase_rows]
+        lines += ["", "(phase tables: PICOVLLM_PHASE_TIMES was set; wall time per phase of each process, see contracts/phase_times.py)", *phase_rows]
     if parity:
         lines += ["", "Greedy parity, optimized vs plain path on the same weights (first 32 tokens; 8 prompts one at a time, "
                   "then 48 stepped together; bench/parity.py):", *(f"- {r}" for r in parity)]

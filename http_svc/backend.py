@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,10 +23,11 @@ from typing import Any
 
 import grpc
 
+from contracts import health as grpc_health
+from contracts.auth import call_metadata
+from contracts.tokenizer import Tokenizer, load_tokenizer
 from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc import health as grpc_health
-from scheduler_svc.auth import call_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -39,35 +39,35 @@ _RETRY_S = 0.5
 
 
 class ChatTokenizer:
-    """A Hugging Face tokenizer, used for chat templates and token strings only. One thread
-    at a time enters it (a fast tokenizer may change its own settings while it encodes)."""
+    """The scheduler's tokenizer (contracts.tokenizer), used for chat templates and token
+    strings only. The render pool's threads share it: encoding changes no state in it
+    (transformers' tokenizer, used before, set its truncation on every call)."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
-        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.chat_template = chat_template or tokenizer.chat_template
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
-        self._lock = threading.Lock()
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any] | None) -> list[int]:
         """The prompt's token ids: the template renders text, which is tokenized without
         special tokens of its own (the template already wrote them), as vLLM does."""
-        with self._lock:
-            text = self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **(kwargs or {}))
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # transformers' own renderer (its sandbox, filters and globals), as its apply_chat_template
+        # calls it: the named special tokens are template variables, the request's kwargs win.
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template([messages], chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
+                                            **{**self.tokenizer.special_tokens, **(kwargs or {})})
+        return self.tokenizer.encode(rendered[0], add_special_tokens=False)
 
     def _token_text(self, token_id: int) -> str:
         """The token as text. A SentencePiece token's leading space (U+2581) is kept: decoding
         it alone would drop it, as at the start of a text."""
-        with self._lock:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
         return " " + text if isinstance(piece, str) and piece.startswith("\u2581") and not text.startswith(" ") else text
 
 
 def load_chat_tokenizer(directory: str, chat_template_file: str | None) -> ChatTokenizer:
-    from model_svc.loader import load_tokenizer  # the loader the scheduler uses, so both read the same files alike
-
     template = Path(chat_template_file).read_text() if chat_template_file else None
     return ChatTokenizer(load_tokenizer(directory), template)
 

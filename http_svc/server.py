@@ -22,11 +22,11 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from contracts.auth import Credentials
+from contracts.rpc import ListenError, announce, stop_event
+from contracts.service_config import ServiceConfig
 from http_svc.app import create_app
 from http_svc.backend import SchedulerBackend
-from scheduler_svc.auth import Credentials
-from scheduler_svc.rpc import ListenError, announce, stop_event
-from scheduler_svc.service_config import ServiceConfig
 
 logger = logging.getLogger(__name__)
 

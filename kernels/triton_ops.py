@@ -12,7 +12,7 @@ triton is imported), which is how the tests run without a GPU.
 
 from __future__ import annotations
 
-from kernels import KernelOps
+from kernels.ops import KernelOps
 from kernels.triton_cascade import cascade_decode_attention
 from kernels.triton_decode import DecodeConfig, decode_with_config, paged_decode_attention, pick_num_splits
 from kernels.triton_prefill import PrefillConfig, paged_prefill_attention, prefill_with_config

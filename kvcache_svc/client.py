@@ -34,6 +34,9 @@ from typing import Any, Protocol
 
 import grpc
 
+from contracts.auth import with_token
+from contracts.errors import FailedPrecondition, Unavailable
+from contracts.rpc import CHANNEL_OPTIONS, call_with_retry
 from kvcache_svc import convert
 from kvcache_svc.manager import Allocated, Appended, KVCacheManager, NoFreeBlocks
 from kvcache_svc.ops import (
@@ -42,9 +45,6 @@ from kvcache_svc.ops import (
 from kvcache_svc.state import KVState, import_state
 from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
 from protos.picovllm.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from scheduler_svc.auth import with_token
-from scheduler_svc.errors import FailedPrecondition, Unavailable
-from scheduler_svc.rpc import CHANNEL_OPTIONS, call_with_retry
 
 logger = logging.getLogger(__name__)
 
@@ -349,7 +349,7 @@ class GrpcTransport:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.KVCacheServiceStub(self.channel)
-        # `token`: the internal token, presented on every call (scheduler_svc.auth).
+        # `token`: the internal token, presented on every call (contracts.auth).
         self._apply_step_raw = with_token(self.channel.unary_unary(
             _APPLY_STEP_PATH, request_serializer=pb.ApplyStepRequest.SerializeToString, response_deserializer=None,
             _registered_method=True), token)

@@ -3,7 +3,7 @@
 Start-up reloads the metadata store (Redis) before health turns SERVING; afterwards health
 follows the store (NOT_SERVING while Redis does not answer its pings). The service is driven
 by one scheduler; calls are handled one at a time on the event loop. With a token, every
-call but health and reflection must present it (scheduler_svc.auth).
+call but health and reflection must present it (contracts.auth).
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from contracts.rpc import announce, freeze_heap, start_server, stop_event
+from contracts.service_config import KVCacheSection
 from kvcache_svc import convert
 from kvcache_svc.service import KVCacheService
 from kvcache_svc.store import open_store
 from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
 from protos.picovllm.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from scheduler_svc.rpc import announce, freeze_heap, start_server, stop_event
-from scheduler_svc.service_config import KVCacheSection
 
 logger = logging.getLogger(__name__)
 

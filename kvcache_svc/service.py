@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from contracts.errors import FailedPrecondition, Unavailable
 from kvcache_svc import convert
 from kvcache_svc.manager import KVCacheManager
 from kvcache_svc.ops import (
@@ -25,7 +26,6 @@ from kvcache_svc.ops import (
 from kvcache_svc.state import KVState, export_state, import_state, new_manager
 from kvcache_svc.store import MemoryStore, RedisStore, clear_dirty
 from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
-from scheduler_svc.errors import FailedPrecondition, Unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ grpc_gevent.init_gevent()  # grpc's blocking calls must yield to locust's greenl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from contracts.auth import API_KEY_ENV, call_metadata, read_secret  # noqa: E402
 from protos.picovllm.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
-from scheduler_svc.auth import API_KEY_ENV, call_metadata, read_secret  # noqa: E402
 
 METADATA = call_metadata(read_secret(API_KEY_ENV, check=False))
 

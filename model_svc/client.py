@@ -22,14 +22,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from model_svc import convert
-from model_svc.step import StepInput, StepOutput
+from contracts import phase_times, step_convert
+from contracts.auth import call_metadata, with_token
+from contracts.errors import FailedPrecondition, Unavailable, error_from_rpc
+from contracts.rpc import CHANNEL_OPTIONS, RETRYABLE, call_with_retry
+from contracts.step import StepInput, StepOutput
 from protos.picovllm.model.v1 import model_pb2 as pb
 from protos.picovllm.model.v1 import model_pb2_grpc as pb_grpc
-from scheduler_svc import phase_times
-from scheduler_svc.auth import call_metadata, with_token
-from scheduler_svc.errors import FailedPrecondition, Unavailable, error_from_rpc
-from scheduler_svc.rpc import CHANNEL_OPTIONS, RETRYABLE, call_with_retry
 
 
 class ModelUnavailable(Unavailable):
@@ -78,7 +77,7 @@ class RemoteModel:
         self.retry_window_s = retry_window_s
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.ModelServiceStub(self.channel)
-        # `token`: the internal token, presented on every call (scheduler_svc.auth).
+        # `token`: the internal token, presented on every call (contracts.auth).
         self.metadata = call_metadata(token)
         self._get_info = with_token(self.stub.GetInfo, token)
         self._step = with_token(self.stub.Step, token)
@@ -125,7 +124,7 @@ class RemoteModel:
     def step(self, inp: StepInput, timeout: float | None = None) -> StepOutput:
         info = self._info
         t = phase_times.start()
-        request = convert.step_to_pb(inp, info.epoch, info.columnar_step)
+        request = step_convert.step_to_pb(inp, info.epoch, info.columnar_step)
         phase_times.add("client.encode", t)
         start = time.monotonic()
         t = self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
@@ -141,7 +140,7 @@ class RemoteModel:
     def launch(self, inp: StepInput, timeout: float | None = None) -> "StreamedStep":
         """Send the step over the service's step stream without waiting (the pipelined
         scheduler keeps the next steps queued there); `.result()` waits for its answer."""
-        request = convert.step_to_pb(inp, self._info.epoch, self._info.columnar_step)
+        request = step_convert.step_to_pb(inp, self._info.epoch, self._info.columnar_step)
         if self._stream is None or self._stream.broken is not None:
             self._stream = _StepStream(self)
         return StreamedStep(self, self._stream, self._stream.send(request), timeout)
@@ -154,7 +153,7 @@ class RemoteModel:
 
 def _output(response: pb.StepResponse) -> StepOutput:
     t = phase_times.start()
-    out = convert.output_from_pb(response)
+    out = step_convert.output_from_pb(response)
     phase_times.add("client.decode", t)
     return out
 

@@ -29,10 +29,10 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch
 
+from contracts import phase_times
+from contracts.step import PLACEHOLDER
 from model_svc.attention_metadata import CASCADE_MIN_SEQS, AttentionMetadata, shared_prefix_blocks
-from model_svc.step import PLACEHOLDER
 from model_svc.transfer import PinnedStaging
-from scheduler_svc import phase_times
 
 logger = logging.getLogger(__name__)
 

@@ -22,6 +22,15 @@ from model_svc.transfer import to_device
 SWAP_CHUNK_BLOCKS = 256
 
 
+def host_pool_blocks(num_cpu_blocks: int | None, swap_space_gib: float, num_device_blocks: int, block_bytes: int) -> int:
+    """The host (swap) pool in blocks: `num_cpu_blocks` when given, else the swap space in
+    blocks, at most 4x the device pool. ModelRunner calls it (through functools.partial) once
+    the device pool and the block's size are known."""
+    if num_cpu_blocks is not None:
+        return num_cpu_blocks
+    return min(int(swap_space_gib * 2**30) // block_bytes, 4 * num_device_blocks)
+
+
 def _runs(values: list[int]) -> list[tuple[int, int, int]]:
     """(position, first value, length) of each run of consecutive values, in order."""
     runs: list[tuple[int, int, int]] = []

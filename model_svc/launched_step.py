@@ -1,23 +1,27 @@
-"""A launched step: its device work queued, its sampled tokens read back on demand."""
+"""A launched step: its device work queued, its sampled tokens read back on demand.
+
+It writes what it sampled into the runner's per-sequence states (the history penalties read),
+which it gets with their lock rather than the runner itself: the runner creates it, and this
+module needs no more of the runner than that.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+from typing import Any
 
 import torch
 
-from model_svc.step import SampledToken, SeqStep, StepOutput
-
-if TYPE_CHECKING:
-    from model_svc.runner import ModelRunner
+from contracts.step import SampledToken, SeqStep, StepOutput
 
 
 class LaunchedStep:
     """A step whose device work is queued: the sampled ids are copied to pinned host memory
     behind an event, so waiting for them does not stall the work queued after it."""
 
-    def __init__(self, runner: "ModelRunner", seqs: list[SeqStep], token_ids: torch.Tensor | None, sampler_out=None) -> None:
-        self.runner, self.seqs, self.sampler_out = runner, seqs, sampler_out
+    def __init__(self, states: dict[str, Any], state_lock: threading.Lock, seqs: list[SeqStep], token_ids: torch.Tensor | None,
+                 sampler_out=None) -> None:
+        self.states, self.state_lock, self.seqs, self.sampler_out = states, state_lock, seqs, sampler_out
         self._host = None
         self._event = None
         if token_ids is not None:
@@ -40,11 +44,11 @@ class LaunchedStep:
         if self._event is not None:
             self._event.synchronize()
         tokens = self._host.tolist()  # (B, num_steps)
-        runner = self.runner
+        states = self.states
         out = StepOutput([SampledToken(s.seq_id, toks[0], extra_token_ids=toks[1:]) for s, toks in zip(self.seqs, tokens)])
-        with runner._state_lock:  # the model service may be launching the next step meanwhile
+        with self.state_lock:  # the model service may be launching the next step meanwhile
             for s, toks in zip(self.seqs, tokens):
-                state = runner.seqs.get(s.seq_id)
+                state = states.get(s.seq_id)
                 if state is not None:  # history for penalties: the tokens sampled here, by position
                     end = s.start_pos + len(s.token_ids)
                     state.token_ids[end:] = toks
@@ -53,7 +57,7 @@ class LaunchedStep:
             logprobs = result.logprobs.tolist()
             top_ids, top_lps = result.top_token_ids.tolist(), result.top_logprobs.tolist()
             for i, s in enumerate(self.seqs):
-                state = runner.seqs.get(s.seq_id)
+                state = states.get(s.seq_id)
                 n = state.sampling.logprobs if state is not None else None
                 if n is not None:
                     out.sampled[i].logprob = logprobs[i]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import KernelOps
+from kernels.ops import KernelOps
 from kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from model_svc.attention_metadata import AttentionMetadata
 from model_svc.config import RopeScaling

@@ -1,6 +1,6 @@
 """Weights in and out: load a local Hugging Face directory (config.json + *.safetensors, sharded
-or not) into our model code, load its tokenizer, build random-weight models for tests and
-benchmarks, and save a model back in HF format.
+or not) into our model code, build random-weight models for tests and benchmarks, and save a
+model back in HF format (the tokenizer: contracts.tokenizer).
 
 Checkpoint names are HF's; the model's packed_modules_mapping says which of them are rows of
 a merged projection (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
@@ -11,14 +11,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from kernels import KernelOps, select_ops
+from kernels import select_ops
+from kernels.ops import KernelOps
 from model_svc.config import ModelConfig
 from model_svc.layers import MergedLinear, RMSNorm
 from model_svc.models import build_model
@@ -143,21 +144,6 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     missing = _expected_keys(model) - loaded
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """The directory's tokenizer via transformers.AutoTokenizer, local files only."""
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"model directory not found: {str(path)!r}")
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    # A directory that names the generic fast class means "use tokenizer.json as it is";
-    # AutoTokenizer in transformers 5 would swap in a model-type class for some families.
-    tok_config = Path(path) / "tokenizer_config.json"
-    if tok_config.is_file() and (Path(path) / "tokenizer.json").is_file():
-        if json.loads(tok_config.read_text()).get("tokenizer_class") == "PreTrainedTokenizerFast":
-            return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 @torch.no_grad()

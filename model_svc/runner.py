@@ -10,11 +10,15 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
+from contracts import phase_times
+from contracts.errors import SequenceFailed
+from contracts.sampling_params import SamplingParams
+from contracts.step import PLACEHOLDER, SeqStep, StepInput, StepOutput
 from kernels import select_ops
 from model_svc.attention_metadata import CASCADE_MAX_TOKENS, AttentionMetadata, shared_prefix_blocks
 from model_svc.kv_cache import HostBlockTables, KVCachePools
@@ -22,10 +26,7 @@ from model_svc.launched_step import LaunchedStep
 from model_svc.loader import cpu_threads, load_model, resolve_dtype
 from model_svc.prefill_graphs import PrefillGraphs, supports_piecewise
 from model_svc.sampler import Sampler, SamplingBatch, make_generator, plain_row, row_problem
-from model_svc.step import PLACEHOLDER, SeqStep, StepInput, StepOutput
 from model_svc.transfer import PinnedStaging, to_device
-from scheduler_svc import phase_times
-from scheduler_svc.errors import SequenceFailed
 
 if TYPE_CHECKING:
     from model_svc.cuda_graphs import DecodeReplay
@@ -49,7 +50,7 @@ class _ProfileSampling:
 
 @dataclass(slots=True)
 class _SeqState:
-    sampling: Any
+    sampling: SamplingParams
     num_prompt_tokens: int
     row: int = -1  # this sequence's row in the persistent block table
     num_blocks: int = 0
@@ -219,7 +220,7 @@ class ModelRunner:
         self.pools.copy_device(inp.copies)
         self.pools.swap_in(inp.swap_in)
         if not inp.seqs:
-            return LaunchedStep(self, [], None)
+            return LaunchedStep(self.seqs, self._state_lock, [], None)
         t = phase_times.start()
         with self._state_lock:
             for s in inp.seqs:
@@ -233,7 +234,7 @@ class ModelRunner:
         if replay is not None:
             phase_times.add("runner.graph_decode", t)
             if replay.token_ids is not None:  # sampled and recorded in the graphs
-                return LaunchedStep(self, seqs, replay.token_ids[:, None])
+                return LaunchedStep(self.seqs, self._state_lock, seqs, replay.token_ids[:, None])
             hidden = replay.hidden
         else:
             input_ids, positions, meta, sample_rows = self._prepare(seqs, rows, tables)
@@ -244,7 +245,7 @@ class ModelRunner:
             hidden = self._forward(input_ids, positions, meta)
             phase_times.add("runner.forward", t)
             if not sample_rows:
-                return LaunchedStep(self, [], None)
+                return LaunchedStep(self.seqs, self._state_lock, [], None)
             if len(sample_rows) < hidden.shape[0]:
                 hidden = hidden[self._h2d(np.asarray([r for r, _ in sample_rows], dtype=np.int64))]
                 seqs = [s for _, s in sample_rows]
@@ -256,7 +257,7 @@ class ModelRunner:
         self._remember_sampled(table_rows, result.token_ids)
         phase_times.add("runner.sample", t)
         t = phase_times.start()
-        launched = LaunchedStep(self, seqs, result.token_ids[:, None], result)
+        launched = LaunchedStep(self.seqs, self._state_lock, seqs, result.token_ids[:, None], result)
         phase_times.add("runner.readback_queued", t)
         return launched
 
@@ -356,7 +357,7 @@ class ModelRunner:
                     prefix_blocks=meta.prefix_blocks, max_prefix_blocks=meta.max_prefix_blocks,
                 )
         self._remember_sampled(self._rows, input_ids)
-        return LaunchedStep(self, seqs, torch.stack(sampled, dim=1))  # (B, num_steps)
+        return LaunchedStep(self.seqs, self._state_lock, seqs, torch.stack(sampled, dim=1))  # (B, num_steps)
 
     def _update_seq(self, s: SeqStep) -> None:
         state = self.seqs.get(s.seq_id)

@@ -21,8 +21,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from contracts.errors import SequenceFailed
 from model_svc.transfer import to_device
-from scheduler_svc.errors import SequenceFailed
 
 logger = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ thread, so health checks answer while a step (or the model load) runs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -17,14 +18,13 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from model_svc import convert
-from model_svc.step import StepInput
+from contracts import phase_times, step_convert
+from contracts.errors import FailedPrecondition, Unavailable
+from contracts.rpc import announce, freeze_heap, start_server, stop_event
+from contracts.service_config import ModelSection
+from contracts.step import StepInput
 from protos.picovllm.model.v1 import model_pb2 as pb
 from protos.picovllm.model.v1 import model_pb2_grpc as pb_grpc
-from scheduler_svc import phase_times
-from scheduler_svc.errors import FailedPrecondition, Unavailable
-from scheduler_svc.rpc import announce, freeze_heap, start_server, stop_event
-from scheduler_svc.service_config import ModelSection
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +59,13 @@ class ModelService:
         self.runner = runner
 
     def load(self) -> None:
+        from model_svc.kv_cache import host_pool_blocks
         from model_svc.runner import ModelRunner
-        from scheduler_svc.config import EngineConfig
 
-        c = self.config
-        engine = EngineConfig(  # validates the values and sizes the host pool as embedded mode does
-            model=c.model, block_size=c.block_size, num_gpu_blocks=c.num_gpu_blocks, num_cpu_blocks=c.num_cpu_blocks,
-            swap_space_gib=c.swap_space_gib, gpu_memory_utilization=c.gpu_memory_utilization, device=c.device, dtype=c.dtype,
-            kernel_backend=c.kernel_backend, max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-        )
+        c = self.config  # validated when loaded (ModelSection); c.model is a local directory (serve_cli)
         self.runner = ModelRunner(
             c.model, block_size=c.block_size, num_device_blocks=c.num_gpu_blocks,
-            num_host_blocks=lambda num_device, block_bytes: engine.resolve_num_cpu_blocks(num_device, block_bytes),
+            num_host_blocks=functools.partial(host_pool_blocks, c.num_cpu_blocks, c.swap_space_gib),
             device=c.device, dtype=c.dtype, kernel_backend=c.kernel_backend,
             device_memory_fraction=c.gpu_memory_utilization, max_num_batched_tokens=c.max_num_batched_tokens,
             enforce_eager=c.enforce_eager, max_num_seqs=self.max_num_seqs, torch_threads=c.torch_threads,
@@ -155,7 +150,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         try:
             phase_times.add("model.queued", received)
             t = phase_times.start()
-            inp = convert.step_from_pb(request)
+            inp = step_convert.step_from_pb(request)
             phase_times.add("model.decode", t)
             t = phase_times.start()
             launched = self.service.launch(request.expected_epoch, inp)
@@ -171,7 +166,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             out = launched.result()
             phase_times.add("model.wait", t)
             t = phase_times.start()
-            resp = convert.output_to_pb(out, self.service.epoch, columnar)
+            resp = step_convert.output_to_pb(out, self.service.epoch, columnar)
             phase_times.add("model.encode", t)
         except BaseException as exc:  # noqa: BLE001
             _settle(loop, answer, None, exc)

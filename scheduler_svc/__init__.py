@@ -4,8 +4,8 @@
     LLM().generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40))
 """
 
+from contracts.sampling_params import SamplingParams
 from scheduler_svc.outputs import CompletionOutput, RequestOutput
-from scheduler_svc.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
 

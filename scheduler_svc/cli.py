@@ -14,53 +14,9 @@ import logging
 import sys
 from importlib import metadata
 
-from scheduler_svc.sampling_params import SamplingParams
-
-
-class UsageError(Exception):
-    """A user-facing error: printed as one line."""
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: X)" to a flag's help, unless the help states its default itself
-    (a default of None always needs words: "measured", "none", "the model's limit")."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or not action.option_strings or action.default in (None, argparse.SUPPRESS):
-            return text
-        if action.default is False and action.nargs == 0:
-            return f"{text} (default: off)"
-        return f"{text} (default: %(default)s)"
-
-
-def add_log_flags(p: argparse.ArgumentParser, top: bool = False) -> None:
-    """-v and --log-level, accepted before the subcommand (`top`) and after it. After it they
-    default to SUPPRESS: a subcommand's own default would overwrite a flag given before it."""
-    p.add_argument("-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
-                   help="log progress (INFO) to stderr (default: warnings and errors only)")
-    p.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"), default=None if top else argparse.SUPPRESS,
-                   help="log level on stderr; wins over -v (default: WARNING, or INFO with -v)")
-
-
-def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature, 0 = greedy (default: 0, greedy, on the command line; "
-                        "SamplingParams and the gRPC API default to 1.0 as vLLM does)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to this total probability; 1 = off")
-    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 = off")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this fraction of the most likely one; 0 = off")
-    g.add_argument("--seed", type=int, default=None, help="seed of this request's random draws (default: none, a new draw each run)")
-    g.add_argument("--stop", action="append", default=[], help="stop when this string is generated (repeatable; default: none)")
-    g.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[],
-                   help="stop when this token id is generated (repeatable; default: none)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages tokens of the prompt and the output; 1 = off")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from the logits of tokens already generated; 0 = off")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted once per earlier occurrence in the output; 0 = off")
-    g.add_argument("--logprobs", type=int, default=None, help="top-n log probabilities per generated token (default: none)")
+from contracts.sampling_params import SamplingParams
+from scheduler_svc import bench_cli, client, serve_cli
+from scheduler_svc.cli_args import HelpFormatter, UsageError, add_log_flags, add_sampling_flags
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -80,7 +36,7 @@ MODEL_HELP = ("a local Hugging Face model directory, or a repo id (org/name) alr
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    from scheduler_svc.config import BUNDLED_MODEL
+    from contracts.service_config import BUNDLED_MODEL
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=BUNDLED_MODEL, help=MODEL_HELP + " (default: the bundled stories260k)")
@@ -174,23 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
-    for register in _plugins():
-        register(sub)
+    for module in (serve_cli, client, bench_cli):  # subcommands that live beside the code they drive
+        module.register(sub)
     return parser
-
-
-def _plugins():
-    """Subcommands that live beside the code they drive (serve, client, bench)."""
-    registrars = []
-    for module, attr in (("scheduler_svc.serve_cli", "register"), ("scheduler_svc.client", "register"), ("scheduler_svc.bench_cli", "register")):
-        try:
-            mod = __import__(module, fromlist=[attr])
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue
-        registrars.append(getattr(mod, attr))
-    return registrars
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,7 +150,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Through the package module, so plugins' `UsageError` is the same class as main()'s.
-    from scheduler_svc.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -25,9 +25,10 @@ from typing import Any
 
 import grpc
 
+from contracts.auth import API_KEY_ENV, call_metadata, read_secret
 from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.auth import API_KEY_ENV, call_metadata, read_secret
+from scheduler_svc.cli_args import UsageError, add_log_flags, add_sampling_flags
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SchedulerService"].full_name
@@ -101,7 +102,7 @@ class Client:
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the scheduler's grpc.health.v1 says SERVING; False after `timeout` s."""
-        from scheduler_svc import health
+        from contracts import health
 
         deadline = time.monotonic() + timeout
         while True:
@@ -127,8 +128,6 @@ class Client:
 
 # ----------------------------------------------------------------- CLI
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from scheduler_svc.cli import add_log_flags, add_sampling_flags
-
     p = subparsers.add_parser("client", help="stream a completion from a running server",
                               description="Stream a completion from a running `picovllm serve` (greedy unless --temperature is given), "
                                           "or with --wait-ready alone, wait until the server is ready.")
@@ -148,8 +147,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from scheduler_svc.cli import UsageError
-
     if args.prompt is None and args.wait_ready is None:
         raise UsageError("client: a prompt is required (or --wait-ready SECONDS alone)")
     if args.wait_ready is not None:
@@ -192,8 +189,6 @@ def _complete(args: argparse.Namespace) -> int:
 
 def _client(args: argparse.Namespace, timeout: float | None = None) -> Client:
     """The CLI's client: the API key from --api-key-file or the environment, TLS with --tls-ca."""
-    from scheduler_svc.cli import UsageError
-
     try:
         return Client(args.addr, timeout, api_key=read_secret(API_KEY_ENV, args.api_key_file, check=False), tls_ca=args.tls_ca)
     except ValueError as exc:  # an unreadable key file

@@ -7,7 +7,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-BUNDLED_MODEL = str(Path(__file__).resolve().parent.parent / "model_svc" / "bundled" / "stories260k")
+from contracts.service_config import BUNDLED_MODEL
+
 
 # Hugging Face's repo id forms, "name" or "namespace/name"; anything else is a path.
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -101,12 +102,6 @@ class EngineConfig:
     @property
     def small_batch_pdl(self) -> bool:
         return small_batch_pdl(self.async_scheduling, self.num_scheduler_steps)
-
-    def resolve_num_cpu_blocks(self, num_device_blocks: int, block_bytes: int) -> int:
-        """The host pool: given, or the swap space in blocks (at most 4x the device pool)."""
-        if self.num_cpu_blocks is not None:
-            return self.num_cpu_blocks
-        return min(int(self.swap_space_gib * 2**30) // block_bytes, 4 * num_device_blocks)
 
 
 def small_batch_pdl(async_scheduling: bool | None, num_scheduler_steps: int) -> bool:

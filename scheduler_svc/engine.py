@@ -14,6 +14,7 @@ recomputed. A failed request's last output has finish_reason "abort" and `error`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import operator
@@ -25,15 +26,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from contracts import phase_times
+from contracts.errors import OutOfRange, RequestFailed, failed_seq_id
+from contracts.sampling_params import RequestLimits, SamplingParams
+from contracts.step import StepInput, StepOutput
+from contracts.tokenizer import load_tokenizer
 from kvcache_svc import KVCacheManager
-from model_svc.step import StepInput, StepOutput
-from scheduler_svc import phase_times
 from scheduler_svc.config import EngineConfig
 from scheduler_svc.detokenizer import DetokenizerState, IncrementalDetokenizer
-from scheduler_svc.errors import OutOfRange, RequestFailed, failed_seq_id
 from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.request import Request
-from scheduler_svc.sampling_params import RequestLimits, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -68,13 +70,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: ModelClient | None = None, tokenizer=None, model_config=None, kv=None) -> None:
         self.config = config
         if model is None:
+            from model_svc.kv_cache import host_pool_blocks
             from model_svc.runner import ModelRunner
 
             model = ModelRunner(
                 config.model,
                 block_size=config.block_size,
                 num_device_blocks=config.num_gpu_blocks,
-                num_host_blocks=config.resolve_num_cpu_blocks,
+                num_host_blocks=functools.partial(host_pool_blocks, config.num_cpu_blocks, config.swap_space_gib),
                 device=config.device,
                 dtype=config.dtype,
                 kernel_backend=config.kernel_backend,
@@ -88,8 +91,6 @@ class LLMEngine:
         self.model = model
         self.model_config = model_config if model_config is not None else model.config
         if tokenizer is None and not config.skip_tokenizer_init:
-            from model_svc.loader import load_tokenizer
-
             tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
         # Service mode passes a KV-cache client with the manager's interface (kvcache_svc.client).

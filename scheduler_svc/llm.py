@@ -8,11 +8,12 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from scheduler_svc.config import BUNDLED_MODEL, EngineConfig
+from contracts.rpc import freeze_heap
+from contracts.sampling_params import SamplingParams
+from contracts.service_config import BUNDLED_MODEL
+from scheduler_svc.config import EngineConfig
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.outputs import RequestOutput
-from scheduler_svc.rpc import freeze_heap
-from scheduler_svc.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
 

@@ -66,7 +66,7 @@ class SchedulerMetrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> str:
         """Serve /metrics on host:port; returns its URL. ListenError when the port is taken."""
-        from scheduler_svc.rpc import ListenError, check_can_listen
+        from contracts.rpc import ListenError, check_can_listen
 
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         check_can_listen(address, "metrics")

@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from scheduler_svc import health
-from scheduler_svc.rpc import CHANNEL_OPTIONS
+from contracts import health
+from contracts.rpc import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 

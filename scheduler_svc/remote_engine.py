@@ -37,16 +37,17 @@ import logging
 import time
 from typing import Any, Callable
 
+from contracts import phase_times
+from contracts.rpc import freeze_heap
+from contracts.sampling_params import RequestLimits
+from contracts.step import StepInput, StepOutput
+from contracts.tokenizer import load_tokenizer
 from kvcache_svc.client import KVClient, KVOutOfSync, KVUnavailable
 from kvcache_svc.ops import PoolConfig
 from model_svc.client import ModelRestarted, ModelUnavailable, RemoteModel, StreamedStep
-from model_svc.step import StepInput, StepOutput
-from scheduler_svc import phase_times
 from scheduler_svc.config import EngineConfig
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.outputs import RequestOutput
-from scheduler_svc.rpc import freeze_heap
-from scheduler_svc.sampling_params import RequestLimits
 from scheduler_svc.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -289,9 +290,8 @@ def build_service_engine(config: Any, skip_tokenizer_init: bool = False, token: 
     """Connect to the model and KV-cache services (waiting for them, bounded by the startup
     timeout) and build the engine. `config` is a service_config.ServiceConfig;
     skip_tokenizer_init: token ids in and out only (benchmarks of models without a tokenizer);
-    `token`: the internal token the two services require (scheduler_svc.auth)."""
+    `token`: the internal token the two services require (contracts.auth)."""
     from kvcache_svc.client import GrpcTransport
-    from model_svc.loader import load_tokenizer
 
     s = config.scheduler
     model = RemoteModel(config.model.address, s.rpc_timeout_s, s.retry_window_s, token)

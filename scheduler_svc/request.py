@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from scheduler_svc.sampling_params import SamplingParams
+from contracts.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

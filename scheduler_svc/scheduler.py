@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from contracts.step import PLACEHOLDER, SeqStep, StepInput
 from kvcache_svc import KVCacheManager, NoFreeBlocks, Tier
-from model_svc.step import PLACEHOLDER, SeqStep, StepInput
 from scheduler_svc.request import Request, RequestStatus
 
 

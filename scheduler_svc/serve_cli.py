@@ -7,7 +7,7 @@ before it starts anything, and a child that fails at start-up stops the rest.
 
 Secrets never travel in argv, where every local user reads them: the Redis URL (it may carry
 a password), the internal token and the API key come from PICOVLLM_* variables or files
-(scheduler_svc.auth), and `all` hands them to its children in their environment, each child
+(contracts.auth), and `all` hands them to its children in their environment, each child
 only what it needs. `all` makes a random internal token per launch when none is configured.
 `kvcache`, `model` and `scheduler` run alone need the internal token (the same in each), or
 --insecure-no-auth to run without one.
@@ -30,7 +30,8 @@ import subprocess
 import sys
 import time
 
-from scheduler_svc.auth import API_KEY_ENV, INTERNAL_TOKEN_ENV, REDIS_URL_ENV, Credentials, read_secret, url_has_credentials
+from contracts.auth import API_KEY_ENV, INTERNAL_TOKEN_ENV, REDIS_URL_ENV, Credentials, read_secret, url_has_credentials
+from scheduler_svc.cli_args import UsageError, add_log_flags
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,7 @@ CHILDREN = ("kvcache", "model", "scheduler", "http")
 
 
 def _default_text(section: str, key: str) -> str:
-    from scheduler_svc.config import BUNDLED_MODEL
-    from scheduler_svc.service_config import ServiceConfig
+    from contracts.service_config import BUNDLED_MODEL, ServiceConfig
 
     value = getattr(getattr(ServiceConfig(), section), key)
     shown = "the bundled stories260k" if value == BUNDLED_MODEL else NONE_MEANS.get(key, "none") if value is None else value
@@ -100,8 +100,6 @@ def _default_text(section: str, key: str) -> str:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from scheduler_svc.cli import add_log_flags
-
     p = subparsers.add_parser("serve", help="run a gRPC service (scheduler, kvcache, model), the HTTP gateway, or all",
                               description="Run a gRPC service, the OpenAI-compatible HTTP gateway, or all four as processes on "
                                           "this machine. Settings come from the "
@@ -126,7 +124,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from scheduler_svc.service_config import load_config
+    from contracts.service_config import load_config
 
     overrides: dict[str, dict] = {"scheduler": {}, "kvcache": {}, "model": {}, "http": {}}
     for flag, (section, key, _, _) in FLAGS.items():
@@ -193,8 +191,6 @@ def child_env(kind: str, config, creds: Credentials) -> dict[str, str]:
 
 def credentials_from_args(args: argparse.Namespace) -> Credentials:
     """The internal token and API key of `args.kind` (SecretError: unreadable or unusable)."""
-    from scheduler_svc.cli import UsageError
-
     token = None if args.kind == "http" else read_secret(INTERNAL_TOKEN_ENV, args.internal_token_file)  # public API only
     if token is None and not args.insecure_no_auth and args.kind != "http":
         if args.kind != "all":
@@ -206,9 +202,8 @@ def credentials_from_args(args: argparse.Namespace) -> Credentials:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from scheduler_svc.cli import UsageError
-    from scheduler_svc.errors import PicoError
-    from scheduler_svc.rpc import ListenError
+    from contracts.errors import PicoError
+    from contracts.rpc import ListenError
 
     config = _config_or_usage_error(args)
     try:
@@ -232,8 +227,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _config_or_usage_error(args: argparse.Namespace):
     """The config with a local model directory; any error in it as one line (UsageError)."""
     import yaml
-
-    from scheduler_svc.cli import UsageError
 
     try:
         return with_local_model(config_from_args(args), args.kind)
@@ -285,8 +278,7 @@ def _dial(address: str) -> str:
 
 def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
     """The services as children; the first to exit (or a signal) stops the rest."""
-    from scheduler_svc.cli import UsageError
-    from scheduler_svc.rpc import ListenError, announce, check_can_listen
+    from contracts.rpc import ListenError, announce, check_can_listen
 
     addresses = _addresses(config)
     try:  # before any child starts: a second copy must not get half-way up
@@ -335,7 +327,7 @@ def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
 
 
 def _child_ready(kind: str, address: str, tls_root: bytes | None) -> bool:
-    from scheduler_svc.rpc import check_health
+    from contracts.health import check_health
 
     if kind == "http":
         from http_svc.health import check

@@ -9,7 +9,7 @@ services; health turns NOT_SERVING while one is unreachable (past `peer_down_aft
 once one has been unreachable for `dependency_timeout_s` the requests waiting on it end with
 UNAVAILABLE, client deadline or not. What callers are told names no internal address or
 store error (errors.public_message); the log has the detail. With an API key, every call
-but health and reflection must present it (scheduler_svc.auth).
+but health and reflection must present it (contracts.auth).
 
 Limits come before work: gRPC itself refuses a message over `max_request_bytes`
 (RESOURCE_EXHAUSTED), then the request's sizes (prompt characters or tokens, stop strings,
@@ -28,17 +28,17 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from contracts.auth import Credentials
+from contracts.errors import InvalidArgument, NotFound, QueueFull, Unavailable
+from contracts.rpc import announce, start_server, stop_event
+from contracts.sampling_params import RequestLimits, SamplingParams
+from contracts.service_config import SchedulerSection, ServiceConfig
 from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.auth import Credentials
-from scheduler_svc.errors import InvalidArgument, NotFound, QueueFull, Unavailable
 from scheduler_svc.llm import AsyncLLM
 from scheduler_svc.metrics import SchedulerMetrics, StreamTimer
 from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.peer_health import PeerMonitor
-from scheduler_svc.rpc import announce, start_server, stop_event
-from scheduler_svc.sampling_params import RequestLimits, SamplingParams
-from scheduler_svc.service_config import SchedulerSection, ServiceConfig
 
 logger = logging.getLogger(__name__)
 

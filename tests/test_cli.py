@@ -1,6 +1,7 @@
 """`picovllm` as a new user meets it: --version, help that explains every flag and its
 default, -v after the subcommand, --model as a Hugging Face repo id from the local cache
-(never downloaded), the temperature defaults, and bench experiments without matplotlib."""
+(never downloaded), the temperature defaults, and bench commands without matplotlib or
+outside a source checkout."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from contracts.service_config import BUNDLED_MODEL
 from scheduler_svc.cli import build_parser
 from scheduler_svc.cli import main as cli_main
-from scheduler_svc.config import BUNDLED_MODEL, EngineConfig, ModelNotFoundError, resolve_model
+from scheduler_svc.config import EngineConfig, ModelNotFoundError, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
 REPO_ID = "acme/tiny-story"
@@ -161,3 +163,15 @@ def test_bench_experiments_without_matplotlib_fails_before_any_work(tmp_path, mo
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "matplotlib" in err[0] and "pip install -e .[bench]" in err[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv", [["bench", "experiments"], ["bench", "throughput"]])
+def test_bench_outside_a_source_checkout_is_one_line(argv, tmp_path, monkeypatch, capsys):
+    """An installed copy has no bench/ folder: its parser still builds (the experiments' flags
+    live in bench_cli) and a bench command says what it needs."""
+    from scheduler_svc import bench_cli
+
+    monkeypatch.setattr(bench_cli, "BENCH_DIR", tmp_path / "bench")
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs a source checkout" in err[0]

@@ -4,5 +4,3 @@
 
 Each experiment writes `<name>.json` and `<name>.png` into the output folder.
 """
-
-EXPERIMENTS = ("memory", "heatmap", "load", "steps")

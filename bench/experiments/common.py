@@ -41,7 +41,8 @@ def build_engine(model: str | None = None, device: str = "cpu", *, num_gpu_block
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, dtype: str | None = None):
     """An LLMEngine in this process: the bundled model (model None or "bundled"), a named
     random-weight config ("qwen3-0.6b", "tiny"), or a local model directory. Token-id prompts only."""
-    from scheduler_svc.config import BUNDLED_MODEL, EngineConfig
+    from contracts.service_config import BUNDLED_MODEL
+    from scheduler_svc.config import EngineConfig
     from scheduler_svc.engine import LLMEngine
 
     common = dict(device=device, block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, dtype=dtype,

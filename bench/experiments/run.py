@@ -15,18 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.experiments import EXPERIMENTS  # noqa: E402
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--out", default="report", help="folder for the JSON and PNG files (default: report)")
-    ap.add_argument("--only", choices=EXPERIMENTS, action="append", help="run only this experiment (repeatable; default: all)")
-    ap.add_argument("--model", default=None,
-                    help="load/steps: the bundled model (default), 'qwen3-0.6b' or 'tiny' (random weights) or a local model directory; "
-                         "memory/heatmap always use the bundled model on the CPU")
-    ap.add_argument("--device", default="cpu", help="load/steps device: cpu (default) or cuda")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the workloads (default: 0)")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest for the tiny bundled model)")
+from scheduler_svc.bench_cli import EXPERIMENTS, add_experiment_arguments  # noqa: E402
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -70,7 +59,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(ap)
+    add_experiment_arguments(ap)
     if importlib.util.find_spec("matplotlib") is None:  # before any work: the plots come last
         sys.exit("bench.experiments: the plots need matplotlib, which is not installed: pip install -e .[bench]")
     run(ap.parse_args(argv))

@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from kernels import KernelOps
+from kernels.ops import KernelOps
 from model_svc.config import ModelConfig
 from model_svc.models.llama import LlamaForCausalLM
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import KernelOps
+from kernels.ops import KernelOps
 from model_svc.attention_metadata import AttentionMetadata
 from model_svc.config import ModelConfig
 from model_svc.layers import (

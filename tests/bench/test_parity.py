@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from bench.parity import reference_margins
-from scheduler_svc.config import BUNDLED_MODEL
+from contracts.service_config import BUNDLED_MODEL
 
 
 def test_reference_margins_score_candidates_in_fp32():
     from bench.common import build_runner
-    from model_svc.step import SeqStep, StepInput
+    from contracts.step import SeqStep, StepInput
     from scheduler_svc import SamplingParams
 
     tokens = [1, 403, 261, 378, 363, 285, 288, 7, 90, 11, 300, 2, 41, 17, 250, 199, 77]

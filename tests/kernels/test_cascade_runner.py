@@ -9,11 +9,11 @@ import dataclasses
 
 import numpy as np
 
-from kernels import REFERENCE_OPS
+from contracts.step import PLACEHOLDER, SeqStep, StepInput
+from kernels.ops import REFERENCE_OPS
 from model_svc.attention_metadata import CASCADE_MIN_SEQS, CASCADE_MIN_TOKENS, shared_prefix_blocks
 from model_svc.loader import BUNDLED_MODEL_DIR
 from model_svc.runner import ModelRunner
-from model_svc.step import PLACEHOLDER, SeqStep, StepInput
 from scheduler_svc import SamplingParams
 
 

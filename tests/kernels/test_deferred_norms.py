@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernels.triton_linear as triton_linear
-from kernels import REFERENCE_OPS
+from kernels.ops import REFERENCE_OPS
 from kernels.triton_ops import TRITON_OPS
 from model_svc.config import ModelConfig
 from model_svc.loader import build_random_model

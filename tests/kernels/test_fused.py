@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import REFERENCE_OPS, select_ops
+from kernels import select_ops
+from kernels.ops import REFERENCE_OPS
 from kernels.reference import qk_norm_rope_ref, qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref
 from kernels.triton_fused import heads_per_program, qk_norm_rope, qk_norm_rope_store, rms_norm, silu_and_mul
 from kernels.triton_store import store_kvcache

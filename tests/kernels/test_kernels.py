@@ -19,7 +19,8 @@ import math
 import pytest
 import torch
 
-from kernels import REFERENCE_OPS, select_ops, triton_decode
+from kernels import select_ops, triton_decode
+from kernels.ops import REFERENCE_OPS
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kvcache_ref
 from kernels.triton_ops import (
     TRITON_OPS,

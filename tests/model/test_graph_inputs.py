@@ -64,9 +64,9 @@ def test_replay_decode_writes_what_the_graphs_read():
     step's tokens (placeholders kept), positions, rows, context lengths, slots and block
     tables, the bucket's padding rows are reset, and the cascade graph runs for a batch whose
     tables share enough leading blocks, the plain one otherwise."""
+    from contracts.step import PLACEHOLDER
     from model_svc.attention_metadata import CASCADE_MIN_SEQS, CASCADE_MIN_TOKENS
     from model_svc.cuda_graphs import DecodeGraphs
-    from model_svc.step import PLACEHOLDER
 
     bs, width = 16, 24
     shared = CASCADE_MIN_TOKENS // bs  # blocks of the common prefix

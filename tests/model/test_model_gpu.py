@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import REFERENCE_OPS, select_ops
+from contracts.sampling_params import SamplingParams
+from kernels import select_ops
+from kernels.ops import REFERENCE_OPS
 from model_svc.loader import BUNDLED_MODEL_DIR, load_model
 from model_svc.sampler import Sampler, SamplingBatch, make_generator
-from scheduler_svc.sampling_params import SamplingParams
 from tests.model.paged_sim import PagedSim
 from tests.model.tiny_models import make_tiny_hf_model
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kernels import REFERENCE_OPS
+from kernels.ops import REFERENCE_OPS
 from model_svc.loader import BUNDLED_MODEL_DIR, load_model
 from tests.model.paged_sim import PagedSim
 from tests.model.tiny_models import make_tiny_hf_model

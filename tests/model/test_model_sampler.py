@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from contracts.sampling_params import SamplingParams
 from model_svc.sampler import Sampler, SamplingBatch, apply_penalties, make_generator
-from scheduler_svc.sampling_params import SamplingParams
 
 sampler = Sampler()
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.step import PLACEHOLDER, SeqStep, StepInput
 from model_svc.loader import BUNDLED_MODEL_DIR
 from model_svc.runner import ModelRunner, _longest_first
-from model_svc.step import PLACEHOLDER, SeqStep, StepInput
 from scheduler_svc import SamplingParams
 
 PROMPTS = {"a": [1, 403, 407], "b": [1, 317, 269, 274, 287, 263, 377, 267, 265, 282], "c": [1, 261, 378, 295, 433, 426]}

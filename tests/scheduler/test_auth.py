@@ -9,12 +9,12 @@ import argparse
 import grpc
 import pytest
 
-from scheduler_svc.auth import (
+from contracts.auth import (
     Credentials, SecretError, TokenAuthInterceptor, call_metadata, mask_url, read_secret, url_has_credentials,
 )
-from scheduler_svc.errors import InvalidArgument, Unavailable, public_message
+from contracts.errors import InvalidArgument, Unavailable, public_message
+from contracts.service_config import ServiceConfig, load_config
 from scheduler_svc.serve_cli import _addresses, child_argv, child_env
-from scheduler_svc.service_config import ServiceConfig, load_config
 
 TOKEN = "a-token-of-enough-length"
 

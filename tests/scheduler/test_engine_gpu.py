@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from contracts.service_config import BUNDLED_MODEL
 from scheduler_svc import LLM, SamplingParams
-from scheduler_svc.config import BUNDLED_MODEL
 
 pytestmark = pytest.mark.gpu
 

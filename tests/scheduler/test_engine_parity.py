@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from contracts.service_config import BUNDLED_MODEL
 from scheduler_svc import LLM, SamplingParams
-from scheduler_svc.config import BUNDLED_MODEL
 from tests.model.tiny_models import make_tiny_hf_model
 
 MAX_NEW = 24

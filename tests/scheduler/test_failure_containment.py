@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
+from contracts.errors import RequestFailed, SequenceFailed
 from scheduler_svc import LLM, SamplingParams
-from scheduler_svc.errors import RequestFailed, SequenceFailed
 
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park.", "One day, a little dog named Max", "The sun was"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -136,7 +136,7 @@ def test_sequence_named_by_the_model_fails_alone(llm, reference, monkeypatch):
 def test_runner_names_a_sequence_it_cannot_sample(llm):
     """Past a scheduler that did not check (another client of the model service), the runner
     refuses logprobs over the vocabulary for that sequence, before the step does any work."""
-    from model_svc.step import SeqStep, StepInput
+    from contracts.step import SeqStep, StepInput
 
     runner = llm.engine.model
     bad = SeqStep("bad-seq", [1, 2, 3], 0, True, 0, [0], SamplingParams(logprobs=1000), [1, 2, 3])

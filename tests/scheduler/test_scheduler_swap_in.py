@@ -4,9 +4,9 @@ back with room for one more block, and the chunk's slots then did not fit)."""
 
 from __future__ import annotations
 
+from contracts.sampling_params import SamplingParams
 from kvcache_svc import KVCacheManager
 from scheduler_svc.request import Request
-from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
 

@@ -153,7 +153,7 @@ class Stack:
             raise
 
     def wait_ready(self, kind: str, timeout: float = 120) -> None:
-        from scheduler_svc.rpc import check_health
+        from contracts.health import check_health
 
         proc = self.procs[kind]
         try:

@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from scheduler_svc.errors import FailedPrecondition, NotFound, QueueFull, Unavailable, status_code_for
-from scheduler_svc.service_config import load_config
+from contracts.errors import FailedPrecondition, NotFound, QueueFull, Unavailable, status_code_for
+from contracts.service_config import load_config
 from tests.services.conftest import REPO
 
 PROTOS = sorted((REPO / "protos").rglob("*.proto"))
@@ -112,11 +112,11 @@ def test_domain_errors_map_to_status_codes():
 
 def test_full_queue_is_resource_exhausted_through_the_interceptor():
     """A real aio server with a servicer whose queue is full (no engine needed)."""
+    from contracts.rpc import start_server
+    from contracts.service_config import SchedulerSection
     from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
     from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-    from scheduler_svc.rpc import start_server
     from scheduler_svc.server import SERVICE_NAME, SchedulerServicer
-    from scheduler_svc.service_config import SchedulerSection
 
     class _Sched:
         running, swapped = [], []
@@ -164,7 +164,7 @@ def test_fallback_health_speaks_grpc_health_v1():
     grpc_health = pytest.importorskip("grpc_health.v1.health")
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from scheduler_svc import health
+    from contracts import health
 
     async def main() -> list:
         seen = []

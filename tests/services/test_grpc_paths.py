@@ -12,6 +12,10 @@ import time
 
 import pytest
 
+from contracts.errors import InvalidArgument, Unavailable
+from contracts.rpc import start_server
+from contracts.service_config import ModelSection
+from contracts.step import SampledToken, SeqStep, StepInput, StepOutput
 from kvcache_svc import client as kv_client
 from kvcache_svc.client import GrpcTransport, KVClient, KVOutOfSync
 from kvcache_svc.ops import AllocateOp
@@ -22,12 +26,8 @@ from kvcache_svc.store import MemoryStore
 from model_svc.client import ModelRestarted, RemoteModel
 from model_svc.server import SERVICE_NAME as MODEL_SERVICE_NAME
 from model_svc.server import ModelService, ModelServicer
-from model_svc.step import SampledToken, SeqStep, StepInput, StepOutput
 from protos.picovllm.kvcache.v1 import kvcache_pb2_grpc
 from protos.picovllm.model.v1 import model_pb2_grpc
-from scheduler_svc.errors import InvalidArgument, Unavailable
-from scheduler_svc.rpc import start_server
-from scheduler_svc.service_config import ModelSection
 
 from .test_kv_transport import BS, CONFIG, assert_same, drive
 

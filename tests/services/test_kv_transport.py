@@ -10,15 +10,15 @@ import random
 
 import pytest
 
+from contracts.errors import FailedPrecondition, Unavailable
+from contracts.sampling_params import SamplingParams
 from kvcache_svc import KVCacheManager, Tier
 from kvcache_svc.client import InProcessTransport, KVClient, KVOutOfSync
 from kvcache_svc.ops import AllocateOp, FreeOp, PoolConfig
 from kvcache_svc.service import KVCacheService, StepOutOfOrder
 from kvcache_svc.state import export_state
 from kvcache_svc.store import MemoryStore, RedisStore
-from scheduler_svc.errors import FailedPrecondition, Unavailable
 from scheduler_svc.request import Request
-from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
 BS = 4

@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from scheduler_svc.rpc import check_health
+from contracts.health import check_health
 from tests.services.conftest import Stack, free_port, wait_for
 
 DEPENDENCY_TIMEOUT_S = 3.0

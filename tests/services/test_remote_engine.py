@@ -11,15 +11,16 @@ from concurrent.futures import Future
 
 import pytest
 
+from contracts.sampling_params import SamplingParams
+from contracts.service_config import BUNDLED_MODEL
+from contracts.step import SampledToken, StepInput, StepOutput
 from kvcache_svc.client import InProcessTransport, KVClient, KVUnavailable
 from kvcache_svc.ops import AllocateOp
 from kvcache_svc.service import KVCacheService
 from kvcache_svc.store import MemoryStore
 from model_svc.client import ModelRestarted, ModelUnavailable, RemoteModelConfig, RemoteModelInfo
-from model_svc.step import SampledToken, StepInput, StepOutput
-from scheduler_svc.config import BUNDLED_MODEL, EngineConfig
+from scheduler_svc.config import EngineConfig
 from scheduler_svc.remote_engine import ServiceEngine, pool_config
-from scheduler_svc.sampling_params import SamplingParams
 
 
 class FakeTokenizer:
@@ -285,7 +286,7 @@ def test_pipelined_engine_ends_with_the_undisturbed_tokens(reference, disturbanc
 def test_pipelined_engine_keeps_the_model_one_step_ahead():
     """While step k is read back, step k+1 is already with the model: the scripted model sees
     placeholder tokens for the tokens it is still sampling."""
-    from model_svc.step import PLACEHOLDER
+    from contracts.step import PLACEHOLDER
 
     model = ScriptedModel()
     fed = []

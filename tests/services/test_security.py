@@ -27,12 +27,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from contracts.health import check_health
+from contracts.rpc import why_not_listen
 from protos.picovllm.kvcache.v1 import kvcache_pb2 as kv_pb
 from protos.picovllm.kvcache.v1 import kvcache_pb2_grpc as kv_grpc
 from protos.picovllm.model.v1 import model_pb2 as model_pb
 from protos.picovllm.model.v1 import model_pb2_grpc as model_grpc
 from scheduler_svc.client import Client
-from scheduler_svc.rpc import check_health, why_not_listen
 from tests.services.conftest import REPO, ServiceProcess, free_port, wait_for
 
 REDIS_PASSWORD = "redis-secret-" + os.urandom(8).hex()

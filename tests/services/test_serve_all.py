@@ -8,8 +8,8 @@ import time
 
 import grpc
 
+from contracts.health import check_health
 from scheduler_svc.client import Client
-from scheduler_svc.rpc import check_health
 from tests.services.conftest import ServiceProcess, free_port, wait_for
 
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
+from contracts.health import check_health
 from scheduler_svc.client import Client
-from scheduler_svc.rpc import check_health
 from tests.services.conftest import INTERNAL_TOKEN, REPO, ServiceProcess, Stack, free_port, wait_for
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),

@@ -160,6 +160,16 @@ def test_metrics_endpoint(stack):
         assert name in body, name
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/maps")
+def test_scheduler_process_never_loads_torch(stack):
+    """The running scheduler, tokenizer loaded and requests served, has no torch library mapped
+    (tests/test_layers.py checks its imports; this checks the process)."""
+    generate_all(stack, ["Once upon a time"], temperature=0.0, max_tokens=4)
+    maps = {p: open(f"/proc/{stack.procs[p].proc.pid}/maps").read() for p in ("scheduler", "model")}
+    assert "libtorch" in maps["model"]  # what the check looks for is there when torch is
+    assert "libtorch" not in maps["scheduler"]
+
+
 def test_client_command_streams_text(stack, embedded):
     (ids, text, _), = embedded(["Once upon a time"], temperature=0.0, max_tokens=12)
     out = subprocess.run(

@@ -12,9 +12,9 @@ import threading
 import grpc
 import pytest
 
+from contracts.errors import OutOfRange, RequestFailed, SequenceFailed
+from contracts.sampling_params import SamplingParams
 from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.errors import OutOfRange, RequestFailed, SequenceFailed
-from scheduler_svc.sampling_params import SamplingParams
 
 from .test_grpc_paths import ServerThread
 from .test_remote_engine import PARAMS, PROMPTS, ScriptedModel, assert_clean, make_engine, run
@@ -110,10 +110,10 @@ def test_restart_with_a_smaller_pool_refreshes_max_model_len(pipelined):
 # ----------------------------------------------------------------- over gRPC
 @pytest.fixture(scope="module")
 def scheduler_server():
+    from contracts.service_config import SchedulerSection
     from scheduler_svc import LLM
     from scheduler_svc.llm import AsyncLLM
     from scheduler_svc.server import SERVICE_NAME, SchedulerServicer
-    from scheduler_svc.service_config import SchedulerSection
 
     engine = LLM(num_gpu_blocks=64, device="cpu").engine
     engine.deadlines, engine.unavailable = {}, None  # what the servicer reads of a ServiceEngine

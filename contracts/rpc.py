@@ -4,7 +4,7 @@ the one-line messages of start-up (a port that is taken, a service that is ready
 channel options and retry loop of the internal clients.
 
 grpcio-health-checking and grpcio-reflection are used when installed; without them health
-falls back to scheduler_svc.health (same protocol) and reflection is off, with a warning."""
+falls back to contracts.health (same protocol) and reflection is off, with a warning."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from typing import Any
 
 import grpc
 
-from scheduler_svc import health as health_fallback
-from scheduler_svc.auth import TokenAuthInterceptor
-from scheduler_svc.errors import ErrorInterceptor, Unauthenticated, error_from_rpc
+from contracts import health as health_fallback
+from contracts.auth import TokenAuthInterceptor
+from contracts.errors import ErrorInterceptor, Unauthenticated, error_from_rpc
 
 logger = logging.getLogger(__name__)
 
@@ -201,18 +201,6 @@ def freeze_heap() -> None:
     objects are never collected)."""
     gc.collect()
     gc.freeze()
-
-
-def check_health(address: str, service: str = "", timeout: float = 1.0, root_certificates: bytes | None = None) -> bool:
-    """True when the server at `address` answers SERVING for `service` (over TLS trusting
-    `root_certificates` when given)."""
-    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates)) if root_certificates
-               else grpc.insecure_channel(address))
-    with channel:
-        try:
-            return health_fallback.check(channel, service, timeout) == health_fallback.SERVING
-        except grpc.RpcError:
-            return False
 
 
 # ----------------------------------------------------------------- internal clients

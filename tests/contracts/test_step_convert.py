@@ -1,4 +1,4 @@
-"""Round trips of the model Step messages (model_svc.convert) through the wire format: the
+"""Round trips of the model Step messages (contracts.step_convert) through the wire format: the
 per-sequence messages, the columnar encoding of plain decode rows and plain tokens, and
 steps that mix both (the step's order is kept)."""
 
@@ -6,22 +6,22 @@ from __future__ import annotations
 
 import pytest
 
-from model_svc import convert
-from model_svc.step import PLACEHOLDER, SampledToken, SeqStep, StepInput, StepOutput
+from contracts import step_convert
+from contracts.sampling_params import SamplingParams
+from contracts.step import PLACEHOLDER, SampledToken, SeqStep, StepInput, StepOutput
 from protos.picovllm.model.v1 import model_pb2 as pb
-from scheduler_svc.sampling_params import SamplingParams
 
 
 def _wire_step(inp: StepInput, columnar: bool) -> tuple[pb.StepRequest, StepInput]:
-    m = pb.StepRequest.FromString(convert.step_to_pb(inp, "epoch-1", columnar).SerializeToString())
+    m = pb.StepRequest.FromString(step_convert.step_to_pb(inp, "epoch-1", columnar).SerializeToString())
     assert m.expected_epoch == "epoch-1"
-    return m, convert.step_from_pb(m)
+    return m, step_convert.step_from_pb(m)
 
 
 def _wire_output(out: StepOutput, columnar: bool) -> tuple[pb.StepResponse, StepOutput]:
-    m = pb.StepResponse.FromString(convert.output_to_pb(out, "epoch-1", columnar).SerializeToString())
+    m = pb.StepResponse.FromString(step_convert.output_to_pb(out, "epoch-1", columnar).SerializeToString())
     assert m.epoch == "epoch-1"
-    return m, convert.output_from_pb(m)
+    return m, step_convert.output_from_pb(m)
 
 
 def _decode(i: int, token: int = PLACEHOLDER, table: list[int] | None = None, sample: bool = True) -> SeqStep:
@@ -79,16 +79,16 @@ def test_empty_step_round_trips():
 def test_a_request_without_columns_still_reads():
     """What an older client sends (messages only, no columnar_answer) reads as before."""
     inp = StepInput(list(DECODE_ONLY) + [_prefill(0)], num_steps=3)
-    m = pb.StepRequest.FromString(convert.step_to_pb(inp, "e").SerializeToString())
+    m = pb.StepRequest.FromString(step_convert.step_to_pb(inp, "e").SerializeToString())
     assert not m.decode_seq_ids and not m.columnar_answer
-    assert convert.step_from_pb(m) == inp
+    assert step_convert.step_from_pb(m) == inp
 
 
 def test_columns_without_order_put_the_decode_rows_first():
-    m = convert.step_to_pb(StepInput([_prefill(0), _decode(1)]), "e", columnar=True)
+    m = step_convert.step_to_pb(StepInput([_prefill(0), _decode(1)]), "e", columnar=True)
     assert list(m.seqs_at) == [0]
     del m.seqs_at[:]
-    assert [s.seq_id for s in convert.step_from_pb(m).seqs] == ["seq-1", "pre-0"]
+    assert [s.seq_id for s in step_convert.step_from_pb(m).seqs] == ["seq-1", "pre-0"]
 
 
 PLAIN = [SampledToken(f"seq-{i}", 100 + i) for i in range(4)]

@@ -8,7 +8,8 @@ step's (the model service keeps each sequence's table).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from contracts.sampling_params import SamplingParams
 
 # A decode input whose token the host does not know yet: the model service feeds the token it
 # sampled for that sequence in its previous step (lets the host schedule while the device runs).
@@ -23,7 +24,7 @@ class SeqStep:
     sample: bool  # sample a next token after the last fed one (False for non-final chunks)
     table_start: int = 0  # block_table[table_start:] = table_blocks (replaces the tail)
     table_blocks: list[int] | None = None  # None: the table did not change
-    sampling: Any = None  # SamplingParams-like; sent with the first step of a sequence
+    sampling: SamplingParams | None = None  # sent with the first step of a sequence
     prompt_token_ids: list[int] | None = None  # with `sampling`: the whole prompt (penalties)
 
 

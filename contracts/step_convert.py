@@ -1,6 +1,5 @@
-"""picovllm.model.v1 messages <-> the step messages of model_svc.step (pure functions).
-
-No torch here: the scheduler's model client imports this module too.
+"""picovllm.model.v1 messages <-> the step messages of contracts.step (pure functions), used
+by both ends of the Step call: the scheduler's model client and the model service.
 
 Most steps are decode steps: one token per sequence (often a placeholder), no sampling
 params, sometimes a block-table change, and one plain token back per sequence. With the
@@ -14,7 +13,8 @@ from __future__ import annotations
 from itertools import compress
 from typing import Any
 
-from model_svc.step import SampledToken, SeqStep, StepInput, StepOutput
+from contracts.sampling_params import SamplingParams
+from contracts.step import SampledToken, SeqStep, StepInput, StepOutput
 from protos.picovllm.model.v1 import model_pb2 as pb
 
 
@@ -26,7 +26,7 @@ def _copies_from_pb(m: pb.BlockCopies) -> list[tuple[int, int]]:
     return list(zip(m.src, m.dst))
 
 
-def sampling_to_pb(p: Any) -> pb.SamplingParams:
+def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
@@ -34,9 +34,7 @@ def sampling_to_pb(p: Any) -> pb.SamplingParams:
     )
 
 
-def sampling_from_pb(m: pb.SamplingParams) -> Any:
-    from scheduler_svc.sampling_params import SamplingParams  # plain dataclass, no torch
-
+def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, min_p=m.min_p,
         seed=m.seed if m.HasField("seed") else None,

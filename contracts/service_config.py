@@ -23,8 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scheduler_svc.auth import REDIS_URL_ENV, mask_url, read_secret
-from scheduler_svc.config import BUNDLED_MODEL
+from contracts.auth import REDIS_URL_ENV, mask_url, read_secret
+
+# The default model (stories260k, shipped inside the model service's package): the model
+# section's and the embedded engine's default.
+BUNDLED_MODEL = str(Path(__file__).resolve().parent.parent / "model_svc" / "bundled" / "stories260k")
 
 ENV_VARS: dict[str, tuple[str, str]] = {
     "PICOVLLM_SCHEDULER_ADDR": ("scheduler", "address"),
@@ -143,6 +146,12 @@ class ModelSection:
             raise ValueError(f"model.num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"model.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.swap_space_gib < 0:
+            raise ValueError(f"model.swap_space_gib must be >= 0, got {self.swap_space_gib!r}")
+        if self.dtype not in (None, "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
+            raise ValueError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kernel_backend not in (None, "torch", "triton"):
+            raise ValueError(f"model.kernel_backend must be 'torch' or 'triton', got {self.kernel_backend!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""grpc.health.v1 without the grpcio-health-checking package.
+"""grpc.health.v1: `check_health` (is the server at an address SERVING?), and the protocol
+without the grpcio-health-checking package.
 
 Servers use that package's servicer when it is installed; where it is not (a lean GPU
 image), `FallbackHealthServicer` answers the same protocol (Check and Watch), so load
@@ -9,6 +10,7 @@ descriptor in a private pool, so nothing clashes with the package's own generate
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import grpc
@@ -80,16 +82,24 @@ def check(channel: grpc.Channel, service: str = "", timeout: float = 1.0) -> int
     return call(HealthCheckRequest(service=service), timeout=timeout).status
 
 
+def check_health(address: str, service: str = "", timeout: float = 1.0, root_certificates: bytes | None = None) -> bool:
+    """True when the server at `address` answers SERVING for `service` (over TLS trusting
+    `root_certificates` when given)."""
+    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates)) if root_certificates
+               else grpc.insecure_channel(address))
+    with channel:
+        try:
+            return check(channel, service, timeout) == SERVING
+        except grpc.RpcError:
+            return False
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m scheduler_svc.health HOST:PORT [SERVICE]`: exit 0 when it answers SERVING
+    """`python -m contracts.health HOST:PORT [SERVICE]`: exit 0 when it answers SERVING
     (the containers' healthcheck)."""
-    import sys
-
-    from scheduler_svc.rpc import check_health
-
     args = sys.argv[1:] if argv is None else argv
     if not args:
-        print("usage: python -m scheduler_svc.health HOST:PORT [SERVICE]", file=sys.stderr)
+        print("usage: python -m contracts.health HOST:PORT [SERVICE]", file=sys.stderr)
         return 2
     return 0 if check_health(args[0], args[1] if len(args) > 1 else "", timeout=3.0) else 1
 
