@@ -106,7 +106,9 @@ class LLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._detokenizers: dict[bool, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
-        self.stream_outputs = True  # False: step() returns finished requests only (offline use)
+        # False: step() returns finished requests only (offline use); "delta": outputs of running
+        # requests carry only what is new (token_ids and text as the deltas: the engine process)
+        self.stream_outputs: bool | str = True
         # Overlap the host's work with the device's step (needs a model client with launch()).
         overlap = config.async_scheduling
         if overlap is None:
@@ -389,16 +391,20 @@ class LLMEngine:
         # While running, hold back what could be the start of a stop string.
         visible = len(text) if req.finished else max(stream.emitted_text, len(text) - max((len(s) - 1 for s in req.sampling.stop), default=0))
         delta_text, stream.emitted_text = text[stream.emitted_text : visible], visible
-        out_ids = req.output_token_ids
-        delta_ids, stream.emitted_tokens = out_ids[stream.emitted_tokens :], len(out_ids)
+        delta_ids = req.token_ids[len(req.prompt_token_ids) + stream.emitted_tokens :]
+        stream.emitted_tokens += len(delta_ids)
+        # "delta": a stream that forwards deltas gets no copy of the whole output each step.
+        lean = self.stream_outputs == "delta" and not req.finished
+        out_ids = delta_ids if lean else req.output_token_ids
         logprobs = None
         if req.sampling.logprobs is not None:
             done = len(stream.logprobs)
-            stream.logprobs += [dict([*top, (tok, lp)]) for tok, (lp, top) in zip(out_ids[done:], req.logprobs[done:])]
+            new = req.token_ids[len(req.prompt_token_ids) + done :]
+            stream.logprobs += [dict([*top, (tok, lp)]) for tok, (lp, top) in zip(new, req.logprobs[done:])]
             logprobs = list(stream.logprobs)
         out = RequestOutput(
-            req.request_id, stream.prompt, req.prompt_token_ids, out_ids, text[:visible], req.finish_reason, req.finished,
-            delta_ids, delta_text, req.stop_reason, req.num_cached_tokens, logprobs,
+            req.request_id, stream.prompt, req.prompt_token_ids, out_ids, delta_text if lean else text[:visible], req.finish_reason,
+            req.finished, delta_ids, delta_text, req.stop_reason, req.num_cached_tokens, logprobs,
         )
         if req.finished:
             self.requests.pop(req.request_id, None)
