@@ -1,7 +1,8 @@
 """Prometheus metrics of the scheduler service, on an HTTP port of their own.
 
-Gauges and engine counters are read from the engine when scraped (no bookkeeping in the
-step loop); latencies and token counts are observed by the Generate handler per stream.
+Gauges and engine counters are read from the engine's last stats when scraped (the engine
+process sends them with every step: scheduler_svc.engine_wire.EngineStats); latencies and
+token counts are observed by the Generate handler per message.
 """
 
 from __future__ import annotations
@@ -20,40 +21,35 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 class _EngineCollector:
     """Queue lengths, pool usage and engine counters, read at scrape time."""
 
-    def __init__(self, get_engine: Callable[[], Any]) -> None:
-        self.get_engine = get_engine
+    def __init__(self, get_stats: Callable[[], Any]) -> None:
+        self.get_stats = get_stats
 
     def describe(self) -> list[Metric]:
         return []  # collected lazily; nothing to register up front
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.get_engine()
-        if engine is None:
+        stats = self.get_stats()
+        if stats is None:
             return
-        sched = engine.scheduler
         queues = GaugeMetricFamily("picovllm_num_requests", "Requests per scheduler queue", labels=["state"])
-        queues.add_metric(["running"], len(sched.running))
-        queues.add_metric(["waiting"], len(sched.waiting))
-        queues.add_metric(["swapped"], len(sched.swapped))
+        queues.add_metric(["running"], stats.num_running)
+        queues.add_metric(["waiting"], stats.num_waiting)
+        queues.add_metric(["swapped"], stats.num_swapped)
         yield queues
-        kv = engine.kv
-        try:
-            pools = [("device", kv.device), ("host", kv.host)]
-        except AttributeError:  # no pools yet
-            return
         usage = GaugeMetricFamily("picovllm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", labels=["pool"])
-        for name, pool in pools:
-            usage.add_metric([name], pool.num_used_blocks / pool.num_blocks if pool.num_blocks else 0.0)
+        usage.add_metric(["device"], stats.device_usage)
+        usage.add_metric(["host"], stats.host_usage)
         yield usage
-        yield CounterMetricFamily("picovllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", value=kv.num_prefix_queries)
-        yield CounterMetricFamily("picovllm_prefix_cache_hits", "Prompt tokens served from the prefix cache", value=kv.num_prefix_hits)
-        yield CounterMetricFamily("picovllm_num_preemptions", "Requests preempted (swap or recompute)", value=sched.stats.num_preemptions)
+        yield CounterMetricFamily("picovllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", value=stats.num_prefix_queries)
+        yield CounterMetricFamily("picovllm_prefix_cache_hits", "Prompt tokens served from the prefix cache", value=stats.num_prefix_hits)
+        yield CounterMetricFamily("picovllm_num_preemptions", "Requests preempted (swap or recompute)", value=stats.num_preemptions)
 
 
 class SchedulerMetrics:
-    def __init__(self, get_engine: Callable[[], Any]) -> None:
+    def __init__(self, get_stats: Callable[[], Any]) -> None:
+        """`get_stats`: the engine's last EngineStats, or None before there is an engine."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(get_engine))
+        self.registry.register(_EngineCollector(get_stats))
         r = self.registry
         self.ttft = Histogram("picovllm_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("picovllm_inter_token_latency_seconds", "Time between streamed tokens", buckets=_ITL_BUCKETS, registry=r)

@@ -1,8 +1,20 @@
 """The scheduler gRPC service (picovllm.scheduler.v1): Generate (streamed), Abort, model info.
 
-A thin servicer: proto <-> domain at the boundary, AsyncLLM over a ServiceEngine behind it.
-Health is NOT_SERVING until both peers answered and the KV state is in sync; SIGTERM stops
-new requests, lets the in-flight ones finish (bounded), then stops.
+A thin servicer: proto <-> domain at the boundary; the engine (a ServiceEngine) runs its loop
+in a process of its own (scheduler_svc.engine_core) and hands back each step's outputs in one
+frame (scheduler_svc.engine_client). Health is NOT_SERVING until both peers answered and the
+KV state is in sync; SIGTERM stops new requests, lets the in-flight ones finish (bounded),
+then stops.
+
+Why the engine is not a thread of this process: every streamed message costs this process
+Python work (the gRPC aio send, a protobuf message, an asyncio wake-up), and with the engine
+in a thread that work and the engine's steps took turns on one interpreter lock, so the more
+streams, the slower every step (bench/NOTES.md, "The service at the engine's speed"). Apart,
+the engine steps as in embedded mode and this process only streams: the design of vLLM v1's
+engine core behind its API server. What this process does is bounded per step, not per token: one frame per step
+wakes each stream that waits, and a stream whose handler is behind (a slow client, or this
+process busy) gets every token since its last message in its next one (coalescing: in
+order, none lost; the final message carries the finish reason and the token counts).
 
 Requests never wait without end on a peer: PeerMonitor probes the model and KV-cache
 services; health turns NOT_SERVING while one is unreachable (past `peer_down_after_s`), and
@@ -14,14 +26,13 @@ but health and reflection must present it (contracts.auth).
 Limits come before work: gRPC itself refuses a message over `max_request_bytes`
 (RESOURCE_EXHAUSTED), then the request's sizes (prompt characters or tokens, stop strings,
 logprobs, ids) are checked (INVALID_ARGUMENT), and only then is a text prompt tokenized, on
-a thread of its own, so that a long prompt never holds up the engine's steps.
+a thread of its own, so that a long prompt never holds up the streams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,14 +41,14 @@ from typing import Any
 
 from contracts.auth import Credentials
 from contracts.errors import InvalidArgument, NotFound, QueueFull, Unavailable
-from contracts.rpc import announce, start_server, stop_event
+from contracts.rpc import announce, freeze_heap, start_server, stop_event
 from contracts.sampling_params import RequestLimits, SamplingParams
 from contracts.service_config import SchedulerSection, ServiceConfig
 from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.llm import AsyncLLM
+from scheduler_svc.engine_client import Chunk, EngineClient, OutputStream
+from scheduler_svc.engine_wire import EngineInfo
 from scheduler_svc.metrics import SchedulerMetrics, StreamTimer
-from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.peer_health import PeerMonitor
 
 logger = logging.getLogger(__name__)
@@ -76,29 +87,30 @@ def generate_from_pb(m: pb.GenerateRequest, limits: RequestLimits | None = None)
     return prompt, params, m.request_id or uuid.uuid4().hex, m.cache_salt or None
 
 
-def output_to_pb(out: RequestOutput) -> pb.GenerateResponse:
-    m = pb.GenerateResponse(request_id=out.request_id, token_ids=out.delta_token_ids, text=out.delta_text)
-    if out.logprobs is not None and out.delta_token_ids:
-        for token_id, entry in zip(out.delta_token_ids, out.logprobs[-len(out.delta_token_ids):]):
-            top = [pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in entry.items() if t != token_id]
-            m.logprobs.append(pb.GeneratedTokenLogprobs(token_id=token_id, logprob=entry.get(token_id, 0.0), top=top))
-    if out.finished:
-        m.finish_reason = _FINISH.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
-        if isinstance(out.stop_reason, str):
-            m.stop_string = out.stop_reason
-        elif isinstance(out.stop_reason, int):
-            m.stop_token_id = out.stop_reason
-        m.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                                  cached_tokens=out.num_cached_tokens))
+def chunk_to_pb(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
+    """One message: every token (and text, logprobs) the stream had gathered; the last one
+    also the finish reason, the stop reason and the token counts."""
+    token_ids, text, logprobs, final = chunk
+    m = pb.GenerateResponse(request_id=request_id, token_ids=token_ids, text=text)
+    for token_id, logprob, top in logprobs or ():
+        m.logprobs.append(pb.GeneratedTokenLogprobs(token_id=token_id, logprob=logprob,
+                                                    top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top]))
+    if final is not None:
+        _, _, _, _, reason, stop_reason, num_prompt, num_output, num_cached, _ = final
+        m.finish_reason = _FINISH.get(reason or "", pb.FINISH_REASON_UNSPECIFIED)
+        if isinstance(stop_reason, str):
+            m.stop_string = stop_reason
+        elif isinstance(stop_reason, int):
+            m.stop_token_id = stop_reason
+        m.usage.CopyFrom(pb.Usage(prompt_tokens=num_prompt, completion_tokens=num_output, cached_tokens=num_cached))
     return m
 
 
-def model_info_to_pb(engine: Any) -> pb.GetModelInfoResponse:
-    info = engine.model.info
+def model_info_to_pb(info: EngineInfo) -> pb.GetModelInfoResponse:
     return pb.GetModelInfoResponse(
-        model=info.model, family=info.config.family, vocab_size=info.config.vocab_size, max_model_len=engine.max_model_len,
+        model=info.model, family=info.family, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
         block_size=info.block_size, num_device_blocks=info.num_device_blocks, num_host_blocks=info.num_host_blocks,
-        eos_token_ids=info.config.eos_token_ids, enable_prefix_caching=engine.config.enable_prefix_caching,
+        eos_token_ids=info.eos_token_ids, enable_prefix_caching=info.enable_prefix_caching,
     )
 
 
@@ -118,20 +130,22 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     def __init__(self, config: SchedulerSection, metrics: SchedulerMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        self.llm: AsyncLLM | None = None
+        self.llm: EngineClient | None = None
         self.active: set[str] = set()
         self.draining = False
         self.monitor: PeerMonitor | None = None  # set by serve()
-        # Text prompts are tokenized here, off the engine's thread (the tokenizer lets go of
-        # the GIL while it works); one thread, so that one tokenizer is never entered twice.
+        # Least seconds between two messages of one stream: 0 sends as soon as there is output
+        # (tests raise it, so that every message carries the tokens of several steps).
+        self.send_interval_s = 0.0
+        # Text prompts are tokenized here, off the event loop (the tokenizer lets go of the
+        # GIL while it works); one thread, so that one tokenizer is never entered twice.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._tokenizing: dict[str, bool] = {}  # request id -> aborted meanwhile
+        # Streams whose peers may stall them: request id -> (stream, deadline, margin, timer).
+        self._watched: dict[str, tuple[OutputStream, float | None, float, asyncio.TimerHandle | None]] = {}
+        self._watcher: asyncio.Future | None = None
 
-    @property
-    def engine(self) -> Any:
-        return self.llm.engine if self.llm is not None else None
-
-    def _ready(self) -> AsyncLLM:
+    def _ready(self) -> EngineClient:
         if self.draining:
             raise ServerUnavailable("the server is shutting down")
         if self.llm is None:
@@ -145,26 +159,25 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         if monitor is not None and monitor.unreachable_for(now) >= self.config.dependency_timeout_s:
             return monitor.why or "a peer is unreachable"
         if deadline is not None and now >= deadline - margin:
-            return self.engine.unavailable or (monitor.why if monitor is not None else None)
+            unavailable = self.llm.stats.unavailable if self.llm is not None else None
+            return unavailable or (monitor.why if monitor is not None else None)
         return None
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         llm = self._ready()
+        await llm.start()
         if self._stalled():  # it could only wait out the outage, then fail
             raise ServerUnavailable(PEERS_UNAVAILABLE)
-        engine = self.engine
-        sched = engine.scheduler
-        if len(self.active) - len(sched.running) - len(sched.swapped) >= self.config.max_waiting:
+        stats = llm.stats
+        if len(self.active) - stats.num_running - stats.num_swapped >= self.config.max_waiting:
             raise QueueFull(f"{self.config.max_waiting} requests are already waiting")
-        prompt, params, request_id, salt = generate_from_pb(request, engine.limits)
-        engine.check_request(prompt, params)  # before any work: the prompt's size, the request limits
+        prompt, params, request_id, salt = generate_from_pb(request, llm.info.limits)
+        llm.check_request(prompt, params)  # before any work: the prompt's size, the request limits
         if request_id in self.active:
             raise InvalidArgument(f"request_id {request_id!r} is already in use")
         remaining = context.time_remaining()
         now = time.monotonic()
         deadline = None if remaining is None else now + remaining
-        if deadline is not None:
-            self.engine.deadlines[request_id] = deadline
         self.active.add(request_id)
         timer = StreamTimer(self.metrics, now)
         ended = "cancelled"  # the label it is counted under, unless it finishes: the client went away, or "error"
@@ -175,14 +188,21 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                     ended = "abort"
                     yield pb.GenerateResponse(request_id=request_id, finish_reason=pb.FINISH_REASON_ABORT)
                     return
-            async for out in self._stream(llm.generate(prompt, params, request_id, salt), deadline, request_id):
-                if out.error is not None:
-                    raise out.error
-                timer.on_output(time.monotonic(), len(out.delta_token_ids))
-                if out.finished:
+            stream = llm.open(prompt, params, request_id, salt, deadline)
+            self._watch(request_id, stream, deadline)
+            while True:
+                chunk = await stream.take()  # every token since the last message; raises the request's error
+                final = chunk[3]
+                now = time.monotonic()
+                timer.on_output(now, len(chunk[0]))
+                if final is not None:
                     ended = ""
-                    timer.on_finish(time.monotonic(), len(out.prompt_token_ids), out.finish_reason)
-                yield output_to_pb(out)
+                    timer.on_finish(now, final[6], final[4])
+                yield chunk_to_pb(request_id, chunk)
+                if final is not None:
+                    return
+                if self.send_interval_s:
+                    await asyncio.sleep(self.send_interval_s)
         except ValueError:  # refused by the engine at admission (the prompt's tokens): not counted
             ended = ""
             raise
@@ -191,7 +211,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             raise
         finally:
             self.active.discard(request_id)
-            self.engine.deadlines.pop(request_id, None)
+            self._unwatch(request_id)
+            llm.close(request_id)  # aborts the request if it is still running
             if ended and self.metrics is not None:
                 self.metrics.requests.labels(ended).inc()
 
@@ -199,37 +220,43 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         """The prompt's token ids, from the tokenizer thread; None when Abort came meanwhile."""
         self._tokenizing[request_id] = False
         try:
-            token_ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.engine.tokenize, text)
+            token_ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.llm.tokenize, text)
         finally:
             aborted = self._tokenizing.pop(request_id)
         return None if aborted else token_ids
 
-    async def _stream(self, outputs: AsyncIterator[RequestOutput], deadline: float | None, request_id: str) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs. A request stuck behind a peer that is down fails with
-        UNAVAILABLE a little before its deadline, and, deadline or not, once the peer has been
-        unreachable for the dependency timeout (a merely slow one runs into its deadline)."""
+    # ----------------------------------------------------------------- stalled streams
+    def _watch(self, request_id: str, stream: OutputStream, deadline: float | None) -> None:
+        """A stream stuck behind a peer that is down fails with UNAVAILABLE a little before
+        its deadline, and, deadline or not, once the peer has been unreachable for the
+        dependency timeout (a merely slow one runs into its deadline). One timer per stream
+        with a deadline and one poll for all of them, never work per token."""
         margin = 0.0 if deadline is None else min(0.25, 0.1 * max(0.0, deadline - time.monotonic()))
-        task: asyncio.Future | None = None
-        try:
-            while True:
-                task = asyncio.ensure_future(anext(outputs))
-                while not (await asyncio.wait({task}, timeout=_stall_wait(deadline, margin)))[0]:
-                    why = self._stalled(deadline, margin)
-                    if why:
-                        logger.warning("request %s ends UNAVAILABLE: %s", request_id, why)
-                        raise ServerUnavailable(PEERS_UNAVAILABLE)
-                try:
-                    out = task.result()
-                except StopAsyncIteration:
-                    return
-                yield out
-                if out.finished:
-                    return
-        finally:
-            if task is not None and not task.done():
-                task.cancel()
-                await asyncio.wait({task})
-            await outputs.aclose()  # aborts the request if it is still running
+        loop = asyncio.get_running_loop()
+        timer = None if deadline is None else loop.call_at(deadline - margin, self._check_stalled, request_id)
+        self._watched[request_id] = (stream, deadline, margin, timer)
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._poll_stalled())
+
+    def _unwatch(self, request_id: str) -> None:
+        entry = self._watched.pop(request_id, None)
+        if entry is not None and entry[3] is not None:
+            entry[3].cancel()
+
+    def _check_stalled(self, request_id: str) -> None:
+        entry = self._watched.get(request_id)
+        if entry is None or entry[0].waiter is None:  # gone, or not waiting for output (it has some to send)
+            return
+        why = self._stalled(entry[1], entry[2])
+        if why:
+            logger.warning("request %s ends UNAVAILABLE: %s", request_id, why)
+            entry[0].fail(ServerUnavailable(PEERS_UNAVAILABLE))
+
+    async def _poll_stalled(self) -> None:
+        while self._watched:
+            await asyncio.sleep(_STALL_POLL_S)
+            for request_id in list(self._watched):
+                self._check_stalled(request_id)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         llm = self._ready()
@@ -238,7 +265,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self._abort(llm, request.request_id)
         return pb.AbortResponse()
 
-    def _abort(self, llm: AsyncLLM, request_id: str) -> None:
+    def _abort(self, llm: EngineClient, request_id: str) -> None:
         if request_id in self._tokenizing:  # the engine does not know it yet
             self._tokenizing[request_id] = True
         else:
@@ -247,7 +274,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         if self.llm is None:
             raise ServerUnavailable("the server is starting")
-        return model_info_to_pb(self.engine)
+        await self.llm.start()
+        return model_info_to_pb(self.llm.info)
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests; wait for the in-flight ones (bounded), then abort the rest."""
@@ -264,34 +292,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                 await asyncio.sleep(0.05)
 
 
-def _stall_wait(deadline: float | None, margin: float) -> float:
-    """How long a stream waits for its next output before it looks at its peers again: the
-    poll interval, or less to wake just before its deadline."""
-    if deadline is None:
-        return _STALL_POLL_S
-    until = deadline - margin - time.monotonic()
-    return _STALL_POLL_S if until <= 0 else min(_STALL_POLL_S, until)
-
-
 # ----------------------------------------------------------------- serve
-def _in_daemon_thread(fn, *args) -> asyncio.Future:
-    """Run a blocking call in a daemon thread (a start-up wait must not keep the process
-    alive after SIGTERM)."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def run() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the loop
-            loop.call_soon_threadsafe(lambda e=exc: fut.done() or fut.set_exception(e))
-        else:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
-
-    threading.Thread(target=run, name="scheduler-start", daemon=True).start()
-    return fut
-
-
 def tls_credentials(s: SchedulerSection) -> Any:
     """grpc.ServerCredentials from the PEM files of the config, or None without TLS."""
     if s.tls_cert is None or s.tls_key is None:
@@ -302,14 +303,28 @@ def tls_credentials(s: SchedulerSection) -> Any:
         return grpc.ssl_server_credentials([(key.read(), cert.read())])
 
 
+async def _start_engine(config: ServiceConfig, creds: Credentials, stopped: asyncio.Future) -> EngineClient | None:
+    """The engine process, once it is built (it waits for the peers, bounded by the start-up
+    timeout); None when SIGTERM came first. Raises what kept it from being built."""
+    engine = EngineClient.spawn(config, creds.internal_token)
+    build = asyncio.ensure_future(engine.start())
+    await asyncio.wait([build, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if not build.done():  # SIGTERM while it waits for its peers
+        build.cancel()
+        await engine.shutdown(timeout=0)
+        return None
+    if build.exception() is not None:
+        await engine.shutdown(timeout=5)  # it exits by itself once it has said why
+    build.result()
+    return engine
+
+
 async def serve(config: ServiceConfig, credentials: Credentials | None = None) -> None:
     """Run until SIGTERM/SIGINT. `credentials`: the API key callers must present (if any),
     and the internal token presented to the model and KV-cache services."""
-    from scheduler_svc.remote_engine import build_service_engine
-
     s = config.scheduler
     creds = credentials or Credentials()
-    metrics = SchedulerMetrics(lambda: servicer.engine)
+    metrics = SchedulerMetrics(lambda: servicer.llm.stats if servicer.llm is not None else None)
     servicer = SchedulerServicer(s, metrics)
     # The public server's own message limit, far below the internal services' (gRPC refuses a
     # larger request with RESOURCE_EXHAUSTED before any of it is parsed).
@@ -323,30 +338,33 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
         except OSError:
             await running.server.stop(None)  # the port is free again before the one-line error
             raise
-    stop = stop_event()
-    build = _in_daemon_thread(build_service_engine, config, False, creds.internal_token)
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([build, stopped], return_when=asyncio.FIRST_COMPLETED)
-    watch = None
-    if build.done():
-        if build.exception() is not None:  # peers never up, or they refused us: the port is free before the one-line error
-            await running.server.stop(None)
-        servicer.llm = AsyncLLM(build.result())
+    stopped = asyncio.ensure_future(stop_event().wait())
+    try:
+        servicer.llm = await _start_engine(config, creds, stopped)
+    except BaseException:  # peers never up, or they refused us: the port is free before the one-line error
+        await running.server.stop(None)
+        raise
+    watch, died = None, asyncio.get_running_loop().create_future()
+    if servicer.llm is not None:
+        servicer.llm.on_exit = lambda why: died.done() or died.set_result(why)
 
         async def peers_down(down: bool) -> None:
             await running.set_serving(not down and not servicer.draining)
 
         servicer.monitor = PeerMonitor({"model": config.model.address, "kvcache": config.kvcache.address}, s.peer_down_after_s,
-                                       lambda: servicer.engine.unavailable, peers_down)
+                                       lambda: servicer.llm.stats.unavailable, peers_down)
         watch = asyncio.ensure_future(servicer.monitor.run())
+        freeze_heap()  # start-up is done (the tokenizer is loaded): keep full collections off it
         await running.set_serving(True)
         announce(f"scheduler service ready: {', '.join(listening)}")
-        await stopped
+        await asyncio.wait([stopped, died], return_when=asyncio.FIRST_COMPLETED)
     servicer.draining = True  # before health: a peer coming back must not turn it SERVING again
     await running.set_serving(False)
     if watch is not None:
         watch.cancel()
-    await servicer.drain(s.drain_timeout_s)
+    await servicer.drain(0.0 if died.done() else s.drain_timeout_s)
     await running.server.stop(grace=2)
     if servicer.llm is not None:
-        servicer.llm.shutdown()
+        await servicer.llm.shutdown()
+    if died.done():
+        raise ServerUnavailable(f"{died.result()}; stopping")

@@ -118,14 +118,13 @@ def test_full_queue_is_resource_exhausted_through_the_interceptor():
     from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
     from scheduler_svc.server import SERVICE_NAME, SchedulerServicer
 
-    class _Sched:
-        running, swapped = [], []
+    from scheduler_svc.engine_wire import EngineStats
 
-    class _Engine:
-        scheduler = _Sched()
+    class _LLM:  # an engine client with nothing running
+        stats = EngineStats()
 
-    class _LLM:
-        engine = _Engine()
+        async def start(self) -> None:
+            pass
 
     async def main() -> grpc.StatusCode:
         servicer = SchedulerServicer(SchedulerSection(max_waiting=2))

@@ -144,9 +144,10 @@ def deployment(tmp_path_factory):
         wait_for(lambda: check_health(addr["scheduler"], timeout=0.5, root_certificates=root), 120, "serve all", proc.proc)
         children = {}
         for pid in process_tree(proc.proc.pid)[1:]:
-            kind = cmdline(pid).split(" serve ")[-1].split()[0]
+            line = cmdline(pid)  # the scheduler's engine process is `python -m scheduler_svc.engine_core FD`
+            kind = "engine" if "scheduler_svc.engine_core" in line else line.split(" serve ")[-1].split()[0]
             children[kind] = pid
-        assert set(children) == CHILDREN, children
+        assert set(children) == CHILDREN | {"engine"}, children
         yield {"addr": addr, "proc": proc, "children": children, "tls": tls, "root": root,
                "token": environ(children["model"])["PICOVLLM_INTERNAL_TOKEN"]}
     finally:
@@ -177,6 +178,7 @@ def test_no_secret_in_any_argv_and_each_child_holds_only_its_own(deployment):
     envs = {kind: environ(pid) for kind, pid in children.items()}
     assert {envs[k]["PICOVLLM_INTERNAL_TOKEN"] for k in ("kvcache", "model", "scheduler")} == {token}
     assert "PICOVLLM_INTERNAL_TOKEN" not in envs["http"]  # the gateway calls the public API only
+    assert not any(k.startswith(("PICOVLLM_INTERNAL_TOKEN", "PICOVLLM_API_KEY", "PICOVLLM_REDIS_URL")) for k in envs["engine"])
     assert REDIS_PASSWORD in envs["kvcache"]["PICOVLLM_REDIS_URL"]
     assert not any("PICOVLLM_REDIS_URL" in envs[k] for k in ("model", "scheduler", "http"))
     assert envs["scheduler"]["PICOVLLM_API_KEY"] == envs["http"]["PICOVLLM_API_KEY"] == API_KEY

@@ -7,6 +7,7 @@ request whose processing fails gets INTERNAL and the ones beside it complete."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import grpc
@@ -112,17 +113,17 @@ def test_restart_with_a_smaller_pool_refreshes_max_model_len(pipelined):
 def scheduler_server():
     from contracts.service_config import SchedulerSection
     from scheduler_svc import LLM
-    from scheduler_svc.llm import AsyncLLM
+    from scheduler_svc.engine_client import EngineClient
     from scheduler_svc.server import SERVICE_NAME, SchedulerServicer
 
     engine = LLM(num_gpu_blocks=64, device="cpu").engine
-    engine.deadlines, engine.unavailable = {}, None  # what the servicer reads of a ServiceEngine
+    engine.deadlines, engine.unavailable = {}, None  # what the engine loop reads of a ServiceEngine
     servicer = SchedulerServicer(SchedulerSection())
-    servicer.llm = AsyncLLM(engine)
+    servicer.llm = EngineClient.in_thread(engine)  # the engine loop in a thread here: the tests patch the engine
     server = ServerThread([(pb_grpc.add_SchedulerServiceServicer_to_server, servicer, SERVICE_NAME)])
     yield server, engine
+    asyncio.run_coroutine_threadsafe(servicer.llm.shutdown(), server.loop).result(30)
     server.stop()
-    servicer.llm.shutdown()
 
 
 def test_request_failing_in_its_step_gets_internal_and_the_others_complete(scheduler_server, monkeypatch):
