@@ -20,6 +20,7 @@ import asyncio
 import os
 import random
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
             "--kvcache-addr", f"127.0.0.1:{free_port()}", "--model-addr", f"127.0.0.1:{free_port()}", "--metrics-port", "0",
             "--port", str(http_port), "--device", args.device, "--max-model-len", str(args.prompt_len + args.max_tokens + 16)]
     argv += ["--model", args.model] if args.model else []
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PICOVLLM_INTERNAL_TOKEN": secrets.token_urlsafe(32)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "PICOVLLM_INTERNAL_TOKEN": secrets.token_urlsafe(32)}
     env.pop("PICOVLLM_API_KEY", None)
     proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=sys.stderr)
     url = f"http://127.0.0.1:{http_port}"
@@ -177,7 +178,8 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="model directory (default: the bundled stories260k)")
+    p.add_argument("--model", default=None, help="a model directory, or qwen3-0.6b / tiny: random weights with the Qwen2 "
+                                                 "tokenizer (bench/serve.py) (default: the bundled stories260k)")
     p.add_argument("--device", default="cuda", help="the model service's device (default: cuda)")
     p.add_argument("--num-requests", type=int, default=512, help="requests per run (default: 512)")
     p.add_argument("--concurrency", type=int, default=128, help="requests in flight at once (default: 128)")
@@ -190,6 +192,9 @@ def main() -> int:
     p.add_argument("--http-url", default=None, help="a running gateway's URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args()
+    from bench.serve import prepare_model
+
+    args.model, tmp = prepare_model(args.model)
     proc = None
     if args.grpc_addr and args.http_url:
         grpc_addr, url = args.grpc_addr, args.http_url
@@ -201,6 +206,8 @@ def main() -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=120)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(text)
     if args.out:
         Path(args.out).write_text(f"# HTTP gateway vs gRPC\n\nDate: {time.strftime('%Y-%m-%d')}. Command: "

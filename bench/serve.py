@@ -181,7 +181,7 @@ def start_server(model_dir: str, args: argparse.Namespace) -> tuple[list[subproc
     from contracts.health import check_health
 
     address = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PICOVLLM_INTERNAL_TOKEN": secrets.token_urlsafe(32)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "PICOVLLM_INTERNAL_TOKEN": secrets.token_urlsafe(32)}
     env.pop("PICOVLLM_API_KEY", None)
     procs = [subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
              for argv in _server_argv(model_dir, args, address)]
