@@ -4,8 +4,9 @@
     python bench/spy_breakdown.py DIR/scheduler-123.txt --tokens 133966 --steps 1616 --seconds 13.2
 
 Each sample is one stack of the thread holding the GIL; it is put in the first category
-whose pattern occurs in the stack (patterns in order, most specific first), so the shares
-add up to 100 % of the process's Python time. With --tokens, --steps and --seconds it also
+whose pattern occurs in the stack (patterns in order, most specific first; `$` anchors a
+pattern at the leaf, `^` at the root of a stack py-spy cut short), so the shares add up to
+100 % of the process's Python time. With --tokens, --steps and --seconds it also
 prints microseconds per output token and per engine step, and how busy the lock was.
 """
 
@@ -28,7 +29,8 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("engine: rest of the step", ("ServiceEngine.step", "AsyncLLM._run", "EngineCore.run")),
     ("gRPC client threads (KV ApplyStep sender, model step stream)", ("_worker", "consume_request_iterator", "channel_spin",
                                                                      "_StepStream", "Thread.run")),
-    ("loop: per-output wait machinery (a task, asyncio.wait and a timer per output)", ("SchedulerServicer._stream",)),
+    ("loop: per-output wait machinery (a task, asyncio.wait and a timer per output)", ("SchedulerServicer._stream", "^wait",
+                                                                                      "^_wait")),
     ("loop: protobuf message per output", ("output_to_pb", "chunk_to_pb")),
     ("loop: metrics per message", ("StreamTimer.",)),
     ("loop: engine frames in (read, unpickle, merge)", ("EngineClient._read_loop", "OutputStream.put")),
@@ -44,7 +46,10 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
 def classify(stack: str) -> str:
     for name, patterns in CATEGORIES:
         for p in patterns:
-            if (p.endswith("$") and stack.endswith(p[:-1])) or (not p.endswith("$") and p in stack):
+            if p.startswith("^"):  # a stack py-spy cut short: its leaf alone
+                if stack.startswith(p[1:]):
+                    return name
+            elif (p.endswith("$") and stack.endswith(p[:-1])) or (not p.endswith("$") and p in stack):
                 return name
     return "other"
 
