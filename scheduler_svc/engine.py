@@ -106,8 +106,9 @@ class LLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._detokenizers: dict[bool, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
-        # False: step() returns finished requests only (offline use); "delta": outputs of running
-        # requests carry only what is new (token_ids and text as the deltas: the engine process)
+        # False: step() returns finished requests only (offline use); "delta" (the engine process,
+        # scheduler_svc.engine_core): a running request without logprobs comes as the tuple
+        # (request_id, new token ids, new text, None), the rest as RequestOutputs.
         self.stream_outputs: bool | str = True
         # Overlap the host's work with the device's step (needs a model client with launch()).
         overlap = config.async_scheduling
@@ -385,27 +386,24 @@ class LLMEngine:
                                          f"restarted the limit is {max_model_len - 1} (max_model_len {max_model_len})"))
                 for r in unfinished if r.num_tokens >= max_model_len]
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request) -> RequestOutput | tuple:
         stream = self._streams[req.request_id]
-        text = stream.detok.text
+        text, stop = stream.detok.text, req.sampling.stop
         # While running, hold back what could be the start of a stop string.
-        visible = len(text) if req.finished else max(stream.emitted_text, len(text) - max((len(s) - 1 for s in req.sampling.stop), default=0))
+        visible = len(text) if req.finished or not stop else max(stream.emitted_text, len(text) - max(map(len, stop)) + 1)
         delta_text, stream.emitted_text = text[stream.emitted_text : visible], visible
         delta_ids = req.token_ids[len(req.prompt_token_ids) + stream.emitted_tokens :]
         stream.emitted_tokens += len(delta_ids)
-        # "delta": a stream that forwards deltas gets no copy of the whole output each step.
-        lean = self.stream_outputs == "delta" and not req.finished
-        out_ids = delta_ids if lean else req.output_token_ids
+        if self.stream_outputs == "delta" and not req.finished and req.sampling.logprobs is None:
+            return (req.request_id, delta_ids, delta_text, None)  # no copy of the whole output per step
         logprobs = None
         if req.sampling.logprobs is not None:
             done = len(stream.logprobs)
             new = req.token_ids[len(req.prompt_token_ids) + done :]
             stream.logprobs += [dict([*top, (tok, lp)]) for tok, (lp, top) in zip(new, req.logprobs[done:])]
             logprobs = list(stream.logprobs)
-        out = RequestOutput(
-            req.request_id, stream.prompt, req.prompt_token_ids, out_ids, delta_text if lean else text[:visible], req.finish_reason,
-            req.finished, delta_ids, delta_text, req.stop_reason, req.num_cached_tokens, logprobs,
-        )
+        out = RequestOutput(req.request_id, stream.prompt, req.prompt_token_ids, req.output_token_ids, text[:visible], req.finish_reason,
+                            req.finished, delta_ids, delta_text, req.stop_reason, req.num_cached_tokens, logprobs)
         if req.finished:
             self.requests.pop(req.request_id, None)
             self._streams.pop(req.request_id, None)

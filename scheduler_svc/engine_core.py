@@ -141,7 +141,7 @@ def _final(request_id: str, error: BaseException) -> tuple:
 
 class EngineCore:
     def __init__(self, engine: Any, channel: FrameChannel) -> None:
-        engine.stream_outputs = "delta"  # outputs carry what is new only (LLMEngine._output)
+        engine.stream_outputs = "delta"  # running requests' outputs come as wire deltas (LLMEngine._output)
         self.engine = engine
         self.channel = channel
         self.open: set[str] = set()  # requests the front end streams
@@ -212,7 +212,9 @@ class EngineCore:
             return deltas
         return [self._delta(out) for out in outputs]
 
-    def _delta(self, out: RequestOutput) -> tuple:
+    def _delta(self, out: RequestOutput | tuple) -> tuple:
+        if type(out) is tuple:  # a running request's delta, already in the wire's form (stream_outputs "delta")
+            return out
         lp = None if out.logprobs is None else _logprobs(out)
         if not out.finished:
             return (out.request_id, out.delta_token_ids, out.delta_text, lp)
