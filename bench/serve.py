@@ -290,6 +290,15 @@ def _host() -> str:
     return f"{name}, {os.cpu_count()} CPUs"
 
 
+def _device_name(device: str) -> str:
+    """The GPU's name without touching it from this process (nvidia-smi), else `device`."""
+    if device.startswith("cuda") and shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    return device
+
+
 def _row(name: str, s: dict, embedded_tok_s: float | None) -> str:
     ratio = f"{s['tok_s'] / embedded_tok_s:.1%}" if embedded_tok_s else ""
     return (f"| {name} | {s['requests']} | {s['tokens']} | {s['seconds']:.2f} | {s['tok_s']:,.0f} | {ratio} | {s['ttft_p50'] * 1e3:.1f} | "
@@ -315,7 +324,7 @@ def report(args: argparse.Namespace, jobs: list[Job], embedded: dict | None, ser
     want = [j.max_tokens for j in jobs]
     lines = [
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- device: {embedded['device'] if embedded else args.device}; host: {_host()}"
+        f"- device: {embedded['device'] if embedded else _device_name(args.device)}; host: {_host()}"
         + (f"; null model ({args.null_model:g} ms a step, bench/null_model.py)" if args.null_model is not None else ""),
         f"- versions: python {platform.python_version()}, torch {_version('torch')}, grpcio {_version('grpcio')}, "
         f"protobuf {_version('protobuf')}, triton {_version('triton')}",
