@@ -22,19 +22,33 @@ UNKNOWN, SERVING, NOT_SERVING, SERVICE_UNKNOWN = 0, 1, 2, 3
 
 def _messages() -> tuple[type, type]:
     f = descriptor_pb2.FieldDescriptorProto
-    fdp = descriptor_pb2.FileDescriptorProto(name="picovllm/health_fallback.proto", package="grpc.health.v1", syntax="proto3")
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name="picovllm/health_fallback.proto", package="grpc.health.v1", syntax="proto3"
+    )
     req = fdp.message_type.add(name="HealthCheckRequest")
     req.field.add(name="service", number=1, type=f.TYPE_STRING, label=f.LABEL_OPTIONAL)
     resp = fdp.message_type.add(name="HealthCheckResponse")
     status = resp.enum_type.add(name="ServingStatus")
-    for name, number in (("UNKNOWN", UNKNOWN), ("SERVING", SERVING), ("NOT_SERVING", NOT_SERVING), ("SERVICE_UNKNOWN", SERVICE_UNKNOWN)):
+    for name, number in (
+        ("UNKNOWN", UNKNOWN),
+        ("SERVING", SERVING),
+        ("NOT_SERVING", NOT_SERVING),
+        ("SERVICE_UNKNOWN", SERVICE_UNKNOWN),
+    ):
         status.value.add(name=name, number=number)
-    resp.field.add(name="status", number=1, type=f.TYPE_ENUM, label=f.LABEL_OPTIONAL,
-                   type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus")
+    resp.field.add(
+        name="status",
+        number=1,
+        type=f.TYPE_ENUM,
+        label=f.LABEL_OPTIONAL,
+        type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus",
+    )
     pool = descriptor_pool.DescriptorPool()
     pool.Add(fdp)
     get = message_factory.GetMessageClass
-    return get(pool.FindMessageTypeByName("grpc.health.v1.HealthCheckRequest")), get(pool.FindMessageTypeByName("grpc.health.v1.HealthCheckResponse"))
+    return get(pool.FindMessageTypeByName("grpc.health.v1.HealthCheckRequest")), get(
+        pool.FindMessageTypeByName("grpc.health.v1.HealthCheckResponse")
+    )
 
 
 HealthCheckRequest, HealthCheckResponse = _messages()
@@ -69,24 +83,34 @@ class FallbackHealthServicer:
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         handlers = {
-            "Check": grpc.unary_unary_rpc_method_handler(self.Check, HealthCheckRequest.FromString, HealthCheckResponse.SerializeToString),
-            "Watch": grpc.unary_stream_rpc_method_handler(self.Watch, HealthCheckRequest.FromString, HealthCheckResponse.SerializeToString),
+            "Check": grpc.unary_unary_rpc_method_handler(
+                self.Check, HealthCheckRequest.FromString, HealthCheckResponse.SerializeToString
+            ),
+            "Watch": grpc.unary_stream_rpc_method_handler(
+                self.Watch, HealthCheckRequest.FromString, HealthCheckResponse.SerializeToString
+            ),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
 def check(channel: grpc.Channel, service: str = "", timeout: float = 1.0) -> int:
     """The status a server reports for `service` (raises grpc.RpcError when it cannot say)."""
-    call = channel.unary_unary(f"/{SERVICE_NAME}/Check", request_serializer=HealthCheckRequest.SerializeToString,
-                               response_deserializer=HealthCheckResponse.FromString)
+    call = channel.unary_unary(
+        f"/{SERVICE_NAME}/Check",
+        request_serializer=HealthCheckRequest.SerializeToString,
+        response_deserializer=HealthCheckResponse.FromString,
+    )
     return call(HealthCheckRequest(service=service), timeout=timeout).status
 
 
 def check_health(address: str, service: str = "", timeout: float = 1.0, root_certificates: bytes | None = None) -> bool:
     """True when the server at `address` answers SERVING for `service` (over TLS trusting
     `root_certificates` when given)."""
-    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates)) if root_certificates
-               else grpc.insecure_channel(address))
+    channel = (
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
+        if root_certificates
+        else grpc.insecure_channel(address)
+    )
     with channel:
         try:
             return check(channel, service, timeout) == SERVING

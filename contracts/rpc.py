@@ -31,7 +31,10 @@ from contracts.errors import ErrorInterceptor, Unauthenticated, error_from_rpc
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 << 20
-_MESSAGE_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+_MESSAGE_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
 # gRPC on Linux binds with SO_REUSEPORT by default: a second copy of a service would bind the
 # same port beside the first and the kernel would split the connections between them.
 SERVER_OPTIONS = _MESSAGE_OPTIONS + [("grpc.so_reuseport", 0)]
@@ -143,9 +146,15 @@ def _add_reflection(server: grpc.aio.Server, names: tuple[str, ...]) -> None:
     reflection.enable_server_reflection(names + (health_fallback.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
 
-async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
-                       options: Sequence[tuple[str, Any]] = (), *, auth_token: str | None = None, public: bool = False,
-                       credentials: grpc.ServerCredentials | None = None) -> RunningServer:
+async def start_server(
+    address: str,
+    services: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+    options: Sequence[tuple[str, Any]] = (),
+    *,
+    auth_token: str | None = None,
+    public: bool = False,
+    credentials: grpc.ServerCredentials | None = None,
+) -> RunningServer:
     """Bind `address` and start; `services` are (add_XServicer_to_server, servicer, full service
     name). Health answers NOT_SERVING until `set_serving(True)`. ListenError when the
     address is taken (checked first: gRPC's own bind failure logs lines of its own).
@@ -207,8 +216,15 @@ def freeze_heap() -> None:
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def call_with_retry(method: Callable[..., Any], request: Any, retry_until: float, timeout: float, what: str,
-                    unavailable: type[Exception], first: Callable[[], Any] | None = None) -> Any:
+def call_with_retry(
+    method: Callable[..., Any],
+    request: Any,
+    retry_until: float,
+    timeout: float,
+    what: str,
+    unavailable: type[Exception],
+    first: Callable[[], Any] | None = None,
+) -> Any:
     """Call a unary method; while the peer is down (UNAVAILABLE, or no answer in time) retry
     with backoff until `retry_until` (monotonic), then raise `unavailable`. Other statuses
     become the domain error they stand for. `first`: the first attempt, already made
@@ -226,8 +242,10 @@ def call_with_retry(method: Callable[..., Any], request: Any, retry_until: float
             return method(request, timeout=t, wait_for_ready=attempt > 0)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise Unauthenticated(f"{what}: refused this process's internal token (every service needs the same "
-                                      f"PICOVLLM_INTERNAL_TOKEN)") from None
+                raise Unauthenticated(
+                    f"{what}: refused this process's internal token (every service needs the same "
+                    f"PICOVLLM_INTERNAL_TOKEN)"
+                ) from None
             if err.code() not in RETRYABLE:
                 raise (error_from_rpc(err) or RuntimeError(f"{what}: {err.code().name}: {err.details()}")) from None
             if time.monotonic() + delay >= retry_until:

@@ -69,7 +69,9 @@ class SchedulerSection:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps per model call
-    async_scheduling: bool | None = None  # pipeline the model steps (two ahead); None: on when the model service runs on a GPU
+    async_scheduling: bool | None = (
+        None  # pipeline the model steps (two ahead); None: on when the model service runs on a GPU
+    )
     rpc_timeout_s: float = 30.0  # one internal call, when no client deadline is shorter
     retry_window_s: float = 1.0  # how long one engine step retries a peer that is down
     startup_timeout_s: float = 600.0  # waiting for the peers at start
@@ -93,8 +95,20 @@ class SchedulerSection:
         _positive("scheduler", self, "dependency_timeout_s", "peer_down_after_s")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("scheduler.tls_cert and scheduler.tls_key go together: set both or neither")
-        _positive("scheduler", self, "max_waiting", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps",
-                  "rpc_timeout_s", "retry_window_s", "startup_timeout_s", "max_request_bytes", "max_prompt_chars")
+        _positive(
+            "scheduler",
+            self,
+            "max_waiting",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "num_scheduler_steps",
+            "rpc_timeout_s",
+            "retry_window_s",
+            "startup_timeout_s",
+            "max_request_bytes",
+            "max_prompt_chars",
+        )
         for name in ("max_logprobs", "max_stop_strings", "max_stop_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"scheduler.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -225,8 +239,11 @@ def _merge(values: dict[str, dict[str, Any]], section: str, updates: Mapping[str
             values[section][name] = value
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Mapping[str, Mapping[str, Any]] | None = None,
-                env: Mapping[str, str] | None = None) -> ServiceConfig:
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ServiceConfig:
     """Defaults < YAML (`path`, else $PICOVLLM_CONFIG) < environment < `overrides` (flags;
     None values are ignored). Raises ValueError naming the bad key or value."""
     env = os.environ if env is None else env
@@ -247,7 +264,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: Mapping[str, M
         if var in env:
             _merge(values, section, {name: env[var]}, f"${var}")
     if env.get(f"{REDIS_URL_ENV}_FILE"):  # a secret: from a file by the _FILE convention too
-        _merge(values, "kvcache", {"redis_url": read_secret(REDIS_URL_ENV, env=env, check=False)}, f"${REDIS_URL_ENV}_FILE")
+        _merge(
+            values, "kvcache", {"redis_url": read_secret(REDIS_URL_ENV, env=env, check=False)}, f"${REDIS_URL_ENV}_FILE"
+        )
     for section, body in (overrides or {}).items():
         _merge(values, section, {k: v for k, v in body.items() if v is not None}, "flags")
     sections = {name: factory(**values[name]) for name, factory in _SECTIONS.items()}

@@ -28,18 +28,29 @@ def _copies_from_pb(m: pb.BlockCopies) -> list[tuple[int, int]]:
 
 def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
-        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, logprobs=p.logprobs,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logprobs=p.logprobs,
     )
 
 
 def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
-        temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, min_p=m.min_p,
+        temperature=m.temperature,
+        top_p=m.top_p,
+        top_k=m.top_k,
+        min_p=m.min_p,
         seed=m.seed if m.HasField("seed") else None,
-        repetition_penalty=m.repetition_penalty, presence_penalty=m.presence_penalty,
-        frequency_penalty=m.frequency_penalty, logprobs=m.logprobs if m.HasField("logprobs") else None,
+        repetition_penalty=m.repetition_penalty,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
     )
 
 
@@ -121,7 +132,9 @@ def step_to_pb(inp: StepInput, expected_epoch: str, columnar: bool = False) -> p
 
 
 def _decode_rows_from_pb(m: pb.StepRequest) -> list[SeqStep]:
-    decode = list(map(SeqStep, m.decode_seq_ids, [[t] for t in m.decode_token_ids], m.decode_start_pos, m.decode_sample))
+    decode = list(
+        map(SeqStep, m.decode_seq_ids, [[t] for t in m.decode_token_ids], m.decode_start_pos, m.decode_sample)
+    )
     if m.decode_table_rows:
         blocks, end = list(m.decode_table_blocks), 0
         for row, start, n in zip(m.decode_table_rows, m.decode_table_starts, m.decode_table_lens):
@@ -135,8 +148,14 @@ def step_from_pb(m: pb.StepRequest) -> StepInput:
     seqs = [seq_from_pb(s) for s in m.seqs]
     if m.decode_seq_ids:
         seqs = _merge(_decode_rows_from_pb(m), seqs, m.seqs_at)
-    return StepInput(seqs, _copies_from_pb(m.swap_out), _copies_from_pb(m.swap_in),
-                     _copies_from_pb(m.copies), list(m.finished), max(1, m.num_steps))
+    return StepInput(
+        seqs,
+        _copies_from_pb(m.swap_out),
+        _copies_from_pb(m.swap_in),
+        _copies_from_pb(m.copies),
+        list(m.finished),
+        max(1, m.num_steps),
+    )
 
 
 def output_to_pb(out: StepOutput, epoch: str, columnar: bool = False) -> pb.StepResponse:
@@ -145,7 +164,9 @@ def output_to_pb(out: StepOutput, epoch: str, columnar: bool = False) -> pb.Step
     resp = pb.StepResponse(epoch=epoch)
     sampled = out.sampled
     if columnar:
-        plain, sampled, at = _split(sampled, [t.logprob is None and not t.extra_token_ids and not t.top_logprobs for t in sampled])
+        plain, sampled, at = _split(
+            sampled, [t.logprob is None and not t.extra_token_ids and not t.top_logprobs for t in sampled]
+        )
         if plain:
             resp.sampled_at.extend(at)
             resp.sampled_seq_ids.extend([t.seq_id for t in plain])

@@ -34,8 +34,12 @@ def _backend(request: Request) -> SchedulerBackend:
 
 def _check(backend: SchedulerBackend, body: SamplingFields) -> None:
     if body.model != backend.model_name:
-        raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{backend.model_name}`.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{body.model}` does not exist; this server serves `{backend.model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
     refused = body.unsupported()
     if refused is not None:
         raise APIError(400, refused[1], param=refused[0])
@@ -74,8 +78,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     sampling = convert.sampling_to_pb(body, body.max_tokens or convert.COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
     prompts = body.prompts()
-    requests = [convert.generate_request(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, sampling)
-                for i, p in enumerate(prompts)]
+    requests = [
+        convert.generate_request(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, sampling)
+        for i, p in enumerate(prompts)
+    ]
     model, created, token_text = backend.model_name, int(time.time()), backend.tokenizer.token_text
     n_logprobs = body.logprobs
 
@@ -97,19 +103,30 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             yield stream.sse({**head, "choices": [], "usage": convert.usage(choices)})
         yield stream.DONE
 
-    return await _run(request, backend, requests, body, events,
-                      lambda choices: convert.completion_response(request_id, model, choices, n_logprobs, token_text))
+    return await _run(
+        request,
+        backend,
+        requests,
+        body,
+        events,
+        lambda choices: convert.completion_response(request_id, model, choices, n_logprobs, token_text),
+    )
 
 
 async def _render(backend: SchedulerBackend, body: ChatCompletionRequest) -> list[int]:
     tokenizer = backend.tokenizer
     if not tokenizer.chat_template:
-        raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions, or start the gateway with "
-                            "--chat-template FILE", param="messages")
+        raise APIError(
+            400,
+            "this model's tokenizer has no chat template: use /v1/completions, or start the gateway with "
+            "--chat-template FILE",
+            param="messages",
+        )
     messages = [m.as_template_dict() for m in body.messages]
     try:
         return await asyncio.get_running_loop().run_in_executor(
-            backend.render_pool, tokenizer.render, messages, body.add_generation_prompt, body.chat_template_kwargs)
+            backend.render_pool, tokenizer.render, messages, body.add_generation_prompt, body.chat_template_kwargs
+        )
     except Exception as exc:  # noqa: BLE001 - jinja2's TemplateError and kin: the messages did not fit the template
         raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
 
@@ -129,22 +146,40 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         choice = convert.Choice(0)
         head = convert.envelope(request_id, "chat.completion.chunk", model, created)
         tail = {"usage": None} if _include_usage(body) else {}
-        yield stream.sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                               "logprobs": None, "finish_reason": None}], **tail})
+        yield stream.sse(
+            {
+                **head,
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ],
+                **tail,
+            }
+        )
         async for _, m in messages:
             choice.add(m)
             if not (m.text or m.logprobs or m.finish_reason):
                 continue
             lp = None if n_logprobs is None else convert.chat_logprobs(list(m.logprobs), n_logprobs, token_text)
             delta = {"content": m.text} if m.text else {}
-            yield stream.sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
-                                                   "finish_reason": choice.finish_reason}], **tail})
+            yield stream.sse(
+                {
+                    **head,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": choice.finish_reason}],
+                    **tail,
+                }
+            )
         if _include_usage(body):
             yield stream.sse({**head, "choices": [], "usage": convert.usage([choice])})
         yield stream.DONE
 
-    return await _run(request, backend, [convert.generate_request(request_id, prompt, sampling)], body, events,
-                      lambda choices: convert.chat_response(request_id, model, choices[0], n_logprobs, token_text))
+    return await _run(
+        request,
+        backend,
+        [convert.generate_request(request_id, prompt, sampling)],
+        body,
+        events,
+        lambda choices: convert.chat_response(request_id, model, choices[0], n_logprobs, token_text),
+    )
 
 
 @router.get("/health")

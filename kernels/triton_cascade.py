@@ -76,7 +76,12 @@ from kernels.triton_decode import (
     default_decode_config,
     pick_num_splits,
 )
-from kernels.triton_cascade_store import StepKV, fuses_store, normed_query_rows, store_kv_rows  # StepKV, fuses_store: this module's API too
+from kernels.triton_cascade_store import (
+    StepKV,
+    fuses_store,
+    normed_query_rows,
+    store_kv_rows,
+)  # StepKV, fuses_store: this module's API too
 from kernels.triton_fused import cast_needs_fix
 from kernels.triton_prefill import PrefillConfig
 
@@ -142,23 +147,61 @@ def _split_len(n, num_splits, ALIGN: tl.constexpr, MIN: tl.constexpr):
     return tl.maximum(tl.cdiv(tl.cdiv(n, num_splits), ALIGN) * ALIGN, MIN)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_chunks", "num_parts", "num_seqs"],  # they change with the batch
-            do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # slices of packed tensors
+@triton.jit(
+    do_not_specialize=["num_rows", "num_chunks", "num_parts", "num_seqs"],  # they change with the batch
+    do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"],
+)  # slices of packed tensors
 def _prefix_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, prefix_blocks_ptr,
-    part_out_ptr, part_lse_ptr,
-    scale_log2, num_rows, num_chunks, num_parts,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    prefix_blocks_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale_log2,
+    num_rows,
+    num_chunks,
+    num_parts,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     # FUSED only: this step's projections in (q_ptr is then the raw q), the norm + rotary inputs
-    k_ptr, v_ptr, q_out_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
-    stride_kn, stride_kh_in, stride_vn, stride_vh_in, stride_cs, num_seqs, eps,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
-    FUSED: tl.constexpr, HAS_NORM: tl.constexpr, FIX_BF16: tl.constexpr,
-    FIX_K_CACHE: tl.constexpr, FIX_V_CACHE: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    cos_sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    stride_kn,
+    stride_kh_in,
+    stride_vn,
+    stride_vh_in,
+    stride_cs,
+    num_seqs,
+    eps,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SPLIT_P: tl.constexpr,
+    FUSED: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+    FIX_K_CACHE: tl.constexpr,
+    FIX_V_CACHE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -184,52 +227,144 @@ def _prefix_kernel(
         # chunks: chunk 0 of a (row tile, KV head) writes its q rows for the suffix kernel,
         # chunk 1 (0 when there is one) its sequences' new K and V. Every chunk norms its own
         # q rows (a few us of work, no dependency on another program).
-        q = normed_query_rows(q_ptr, q_out_ptr, q_w_ptr, cos_sin_ptr, pos_ptr, seq, q_head, row_mask, chunk_id == 0, eps,
-                          stride_qb, stride_qh, stride_cs, tl.num_programs(2) * GROUP,
-                          BLOCK_M, BLOCK_D // 2, HAS_NORM, FIX_BF16)
+        q = normed_query_rows(
+            q_ptr,
+            q_out_ptr,
+            q_w_ptr,
+            cos_sin_ptr,
+            pos_ptr,
+            seq,
+            q_head,
+            row_mask,
+            chunk_id == 0,
+            eps,
+            stride_qb,
+            stride_qh,
+            stride_cs,
+            tl.num_programs(2) * GROUP,
+            BLOCK_M,
+            BLOCK_D // 2,
+            HAS_NORM,
+            FIX_BF16,
+        )
         if chunk_id == tl.minimum(1, num_chunks - 1):
-            store_kv_rows(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
-                          row_tile, kv_head, num_seqs, eps,
-                          stride_kn, stride_kh_in, stride_vn, stride_vh_in, stride_cs,
-                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                          GROUP, BLOCK_M, BLOCK_D // 2, PAGE, HAS_NORM, FIX_BF16, FIX_K_CACHE, FIX_V_CACHE)
+            store_kv_rows(
+                k_ptr,
+                v_ptr,
+                k_cache_ptr,
+                v_cache_ptr,
+                k_w_ptr,
+                cos_sin_ptr,
+                pos_ptr,
+                slot_ptr,
+                row_tile,
+                kv_head,
+                num_seqs,
+                eps,
+                stride_kn,
+                stride_kh_in,
+                stride_vn,
+                stride_vh_in,
+                stride_cs,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_vb,
+                stride_vs,
+                stride_vh,
+                GROUP,
+                BLOCK_M,
+                BLOCK_D // 2,
+                PAGE,
+                HAS_NORM,
+                FIX_BF16,
+                FIX_K_CACHE,
+                FIX_V_CACHE,
+            )
     if start < end:  # chunks past a prefix shorter than the bound (or than the chunks' minimum) return
         D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
         d_mask = offs_d < HEAD_DIM
         if not FUSED:
             # Padding rows load zeros: their scores stay finite and their stores are masked.
-            q = load_rows(q_ptr + (seq * stride_qb + q_head * stride_qh)[:, None] + offs_d[None, :],
-                          row_mask, d_mask, True, D_MASK)  # (BLOCK_M, BLOCK_D)
+            q = load_rows(
+                q_ptr + (seq * stride_qb + q_head * stride_qh)[:, None] + offs_d[None, :],
+                row_mask,
+                d_mask,
+                True,
+                D_MASK,
+            )  # (BLOCK_M, BLOCK_D)
 
         # Every row of the block table starts with the prefix's blocks: row 0 stands for all.
         # Every tile holds at least one key (n0 < end), so no row's running max stays -inf.
         acc, m_i, l_i = attend_pages(
-            q, block_tables_ptr, k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
-            start, end, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-            BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
+            q,
+            block_tables_ptr,
+            k_cache_ptr + kv_head.to(tl.int64) * stride_kh,
+            v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
+            start,
+            end,
+            stride_kb,
+            stride_ks,
+            stride_vb,
+            stride_vs,
+            scale_log2,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            HEAD_DIM,
+            PAGE,
+            PRECISION,
+            UPCAST,
+            SPLIT_P,
         )
 
         part = (seq * num_q_heads + q_head) * num_parts + chunk_id  # (BLOCK_M,)
-        tl.store(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc / l_i[:, None],
-                 mask=row_mask[:, None])
+        tl.store(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc / l_i[:, None], mask=row_mask[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["num_chunks", "num_splits", "num_parts", "stride_bt"])
 def _suffix_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, prefix_blocks_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-    scale_log2, num_chunks, num_splits, num_parts,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_ob, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFIX_BLOCK_N: tl.constexpr, PREFIX_MIN_CHUNK: tl.constexpr,
-    COUNTERS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
-    FIX_BF16: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_S: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    prefix_blocks_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    counter_ptr,
+    scale_log2,
+    num_chunks,
+    num_splits,
+    num_parts,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREFIX_BLOCK_N: tl.constexpr,
+    PREFIX_MIN_CHUNK: tl.constexpr,
+    COUNTERS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SPLIT_P: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -257,13 +392,29 @@ def _suffix_kernel(
     if split < suffix_used:
         q = tl.load(
             q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
-            mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
         )  # (GROUP_PAD, BLOCK_D)
         acc, m_i, l_i = attend_pages(
-            q, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-            k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh, start, end,
-            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-            GROUP_PAD, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
+            q,
+            block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            k_cache_ptr + kv_head.to(tl.int64) * stride_kh,
+            v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
+            start,
+            end,
+            stride_kb,
+            stride_ks,
+            stride_vb,
+            stride_vs,
+            scale_log2,
+            GROUP_PAD,
+            BLOCK_N,
+            BLOCK_D,
+            HEAD_DIM,
+            PAGE,
+            PRECISION,
+            UPCAST,
+            SPLIT_P,
         )
         # A used split holds at least one key: l_i > 0. Suffix partials follow the prefix ones.
         row = (seq.to(tl.int64) * num_q_heads + q_heads) * num_parts + prefix_used + split  # (GROUP_PAD,)
@@ -286,10 +437,19 @@ def _suffix_kernel(
             last = ticket == arrivals - 1
         if last:
             combine_group(
-                part_out_ptr, part_lse_ptr,
-                (seq.to(tl.int64) * num_q_heads + kv_head * GROUP) * num_parts, num_parts, prefix_used + suffix_used,
-                out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP).to(tl.int64) * stride_oh, stride_oh,
-                GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_S, FIX_BF16,
+                part_out_ptr,
+                part_lse_ptr,
+                (seq.to(tl.int64) * num_q_heads + kv_head * GROUP) * num_parts,
+                num_parts,
+                prefix_used + suffix_used,
+                out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP).to(tl.int64) * stride_oh,
+                stride_oh,
+                GROUP,
+                GROUP_P2,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_S,
+                FIX_BF16,
             )
             if COUNTERS:
                 tl.store(counter, 0)  # every ticket is taken: ready for the next launch
@@ -318,7 +478,8 @@ def cascade_with_config(
     width = block_tables.shape[1]
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
     assert prefix_blocks.shape == (1,) and prefix_blocks.dtype == torch.int32 and prefix_blocks.device == q.device, (
-        "prefix_blocks: (1,) int32 on q's device")
+        "prefix_blocks: (1,) int32 on q's device"
+    )
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -329,8 +490,12 @@ def cascade_with_config(
         raw_q = q
     else:
         assert fuses_store(head_dim), f"the fused store needs a power-of-two head_dim >= 16, got {head_dim}"
-        assert q.stride(-1) == 1 and store.k.stride(-1) == 1 and store.v.stride(-1) == 1, "q, k, v need unit stride along D"
-        assert store.k.shape == store.v.shape == (batch, num_kv_heads, head_dim) and store.slot_mapping.shape == (batch,)
+        assert q.stride(-1) == 1 and store.k.stride(-1) == 1 and store.v.stride(-1) == 1, (
+            "q, k, v need unit stride along D"
+        )
+        assert store.k.shape == store.v.shape == (batch, num_kv_heads, head_dim) and store.slot_mapping.shape == (
+            batch,
+        )
         assert (store.q_norm_weight is None) == (store.k_norm_weight is None), "give both norm weights or neither"
         raw_q, q = q, torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q: the normed, rotated q
 
@@ -367,25 +532,65 @@ def cascade_with_config(
             flags = dict(FUSED=False, HAS_NORM=False, FIX_BF16=False, FIX_K_CACHE=False, FIX_V_CACHE=False)
         else:
             has_norm = store.q_norm_weight is not None
-            fused = (store.k, store.v, q, store.q_norm_weight if has_norm else q, store.k_norm_weight if has_norm else q,
-                     store.cos_sin_cache, store.positions, store.slot_mapping,
-                     store.k.stride(0), store.k.stride(1), store.v.stride(0), store.v.stride(1), store.cos_sin_cache.stride(0),
-                     batch, store.eps)
-            flags = dict(FUSED=True, HAS_NORM=has_norm, FIX_BF16=fix_bf16_rounding(q.dtype),
-                         FIX_K_CACHE=cast_needs_fix(store.k.dtype, k_cache.dtype),
-                         FIX_V_CACHE=cast_needs_fix(store.v.dtype, v_cache.dtype))
+            fused = (
+                store.k,
+                store.v,
+                q,
+                store.q_norm_weight if has_norm else q,
+                store.k_norm_weight if has_norm else q,
+                store.cos_sin_cache,
+                store.positions,
+                store.slot_mapping,
+                store.k.stride(0),
+                store.k.stride(1),
+                store.v.stride(0),
+                store.v.stride(1),
+                store.cos_sin_cache.stride(0),
+                batch,
+                store.eps,
+            )
+            flags = dict(
+                FUSED=True,
+                HAS_NORM=has_norm,
+                FIX_BF16=fix_bf16_rounding(q.dtype),
+                FIX_K_CACHE=cast_needs_fix(store.k.dtype, k_cache.dtype),
+                FIX_V_CACHE=cast_needs_fix(store.v.dtype, v_cache.dtype),
+            )
         _prefix_kernel[(num_row_tiles, num_chunks, num_kv_heads)](
-            raw_q, k_cache, v_cache, block_tables, prefix_blocks,
-            part_out, part_lse,
-            scale_log2, num_rows, num_chunks, num_parts,
-            raw_q.stride(0), raw_q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            raw_q,
+            k_cache,
+            v_cache,
+            block_tables,
+            prefix_blocks,
+            part_out,
+            part_lse,
+            scale_log2,
+            num_rows,
+            num_chunks,
+            num_parts,
+            raw_q.stride(0),
+            raw_q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
             *fused,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page,
-            BLOCK_M=block_m, BLOCK_N=prefix_n, MIN_CHUNK=min_chunk,
-            PRECISION=precision, UPCAST=upcast, SPLIT_P=config.prefix.split_p and split_p(q.dtype),
-            **flags, **pdl_launch(q.device), num_warps=config.prefix.num_warps, num_stages=config.prefix.num_stages,
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            PAGE=page,
+            BLOCK_M=block_m,
+            BLOCK_N=prefix_n,
+            MIN_CHUNK=min_chunk,
+            PRECISION=precision,
+            UPCAST=upcast,
+            SPLIT_P=config.prefix.split_p and split_p(q.dtype),
+            **flags,
+            **pdl_launch(q.device),
+            num_warps=config.prefix.num_warps,
+            num_stages=config.prefix.num_stages,
         )
 
     # The decode kernel's arrival counters: every launch of either kernel leaves them at zero,
@@ -394,21 +599,49 @@ def cascade_with_config(
     group_p2 = next_pow2(group)
     block_s = max(1, min(32, 8192 // (block_d * group_p2)))  # as in triton_decode.decode_with_config
     _suffix_kernel[(num_splits, num_kv_heads, batch)](
-        q, k_cache, v_cache, block_tables, seq_lens, prefix_blocks,
-        out, part_out, part_lse, counters,
-        scale_log2, num_chunks, num_splits, num_parts,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=config.suffix.block_n, PREFIX_BLOCK_N=prefix_n, PREFIX_MIN_CHUNK=min_chunk,
-        COUNTERS=num_splits > 1, PRECISION=precision, UPCAST=upcast,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        prefix_blocks,
+        out,
+        part_out,
+        part_lse,
+        counters,
+        scale_log2,
+        num_chunks,
+        num_splits,
+        num_parts,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE=page,
+        BLOCK_N=config.suffix.block_n,
+        PREFIX_BLOCK_N=prefix_n,
+        PREFIX_MIN_CHUNK=min_chunk,
+        COUNTERS=num_splits > 1,
+        PRECISION=precision,
+        UPCAST=upcast,
         SPLIT_P=config.suffix.split_p and split_p(q.dtype),
-        FIX_BF16=fix_bf16_rounding(q.dtype), GROUP_P2=group_p2, BLOCK_S=block_s,
+        FIX_BF16=fix_bf16_rounding(q.dtype),
+        GROUP_P2=group_p2,
+        BLOCK_S=block_s,
         **pdl_launch(q.device),
-        num_warps=config.suffix.num_warps, num_stages=config.suffix.num_stages,
+        num_warps=config.suffix.num_warps,
+        num_stages=config.suffix.num_stages,
     )
     return out
 
@@ -425,8 +658,9 @@ def cascade_decode_attention(
     out: torch.Tensor | None = None,  # (B, Hq, D), contiguous; allocated when None
 ) -> torch.Tensor:  # (B, Hq, D), dtype of q
     """kernels.reference.paged_decode_attention_ref, reading the shared prefix once."""
-    return cascade_with_config(q, k_cache, v_cache, block_tables, seq_lens, scale, prefix_blocks,
-                               max_prefix_blocks, out=out)
+    return cascade_with_config(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, prefix_blocks, max_prefix_blocks, out=out
+    )
 
 
 def cascade_decode_attention_store(
@@ -446,5 +680,6 @@ def cascade_decode_attention_store(
     rows; one per row tile writes them for the suffix kernel) and write the step's K and V, so
     a layer's decode attention takes one launch fewer. The new tokens' slots lie outside the
     shared prefix (a block being written is never shared). fuses_store(head_dim) must hold."""
-    return cascade_with_config(q, k_cache, v_cache, block_tables, seq_lens, scale, prefix_blocks,
-                               max_prefix_blocks, out=out, store=step)
+    return cascade_with_config(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, prefix_blocks, max_prefix_blocks, out=out, store=step
+    )

@@ -193,8 +193,11 @@ def row_rstd(sums_ptr, offs_m, m_mask, num_parts, hidden, eps, PARTS: tl.constex
     num_parts parts (row-major (rows, num_parts) fp32, PARTS >= num_parts a power of two):
     the deferred norm's scale (kernels.triton_splitk)."""
     offs_p = tl.arange(0, PARTS)
-    sums = tl.load(sums_ptr + offs_m[:, None] * num_parts + offs_p[None, :],
-                   mask=m_mask[:, None] & (offs_p < num_parts)[None, :], other=0.0)
+    sums = tl.load(
+        sums_ptr + offs_m[:, None] * num_parts + offs_p[None, :],
+        mask=m_mask[:, None] & (offs_p < num_parts)[None, :],
+        other=0.0,
+    )
     return tl.rsqrt(tl.sum(sums, axis=1) / hidden + eps)
 
 

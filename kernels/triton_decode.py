@@ -68,9 +68,7 @@ def default_decode_config(dtype: torch.dtype, head_dim: int) -> DecodeConfig:
     return DecodeConfig(block_n=64 if block_d <= 128 else 32, num_warps=4, num_stages=5)
 
 
-def pick_num_splits(
-    batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64
-) -> int:
+def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64) -> int:
     """Number of KV splits per (sequence, KV head) for the decode kernel.
 
     The decode kernel launches batch * num_kv_heads * num_splits programs. The split count is
@@ -102,10 +100,25 @@ def pick_num_splits(
 
 @triton.jit
 def attend_pages(
-    q, table, k_head, v_head, start, end,
-    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
+    q,
+    table,
+    k_head,
+    v_head,
+    start,
+    end,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    scale_log2,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SPLIT_P: tl.constexpr,
 ):
     """Online softmax of the query rows `q` (ROWS, BLOCK_D) over the tokens [start, end) of one
     KV head, read through a block table (`table`: the row of page ids; `k_head`/`v_head`: the
@@ -123,31 +136,56 @@ def attend_pages(
         t_mask = tok < end
         block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
         slot = tok % PAGE
-        k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK)  # (BLOCK_N, BLOCK_D)
+        k = load_rows(
+            k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :], t_mask, d_mask, True, D_MASK
+        )  # (BLOCK_N, BLOCK_D)
         qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (ROWS, BLOCK_N)
         qk = tl.where(t_mask[None, :], qk, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-        v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK)
+        v = load_rows(
+            v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :], t_mask, d_mask, True, D_MASK
+        )
         acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
     return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # eager batches have a per-step table width
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-    scale_log2, num_splits,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_ob, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
-    FIX_BF16: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_S: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    counter_ptr,
+    scale_log2,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SPLIT_P: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -169,21 +207,38 @@ def _decode_split_kernel(
 
     q = tl.load(
         q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )  # (GROUP_PAD, BLOCK_D)
 
     acc, m_i, l_i = attend_pages(
-        q, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh, start, end,
-        stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-        GROUP_PAD, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
+        q,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        k_cache_ptr + kv_head.to(tl.int64) * stride_kh,
+        v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
+        start,
+        end,
+        stride_kb,
+        stride_ks,
+        stride_vb,
+        stride_vs,
+        scale_log2,
+        GROUP_PAD,
+        BLOCK_N,
+        BLOCK_D,
+        HEAD_DIM,
+        PAGE,
+        PRECISION,
+        UPCAST,
+        SPLIT_P,
     )
 
     if DIRECT:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # seq_len 0 (padding rows): zeros
         tl.store(
             out_ptr + seq.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
-            round_to(out, out_ptr.dtype.element_ty, FIX_BF16), mask=g_mask[:, None] & d_mask[None, :],
+            round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
+            mask=g_mask[:, None] & d_mask[None, :],
         )
     else:
         # Only the first num_used splits hold keys (fewer than num_splits when the sequence is
@@ -210,19 +265,38 @@ def _decode_split_kernel(
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == arrivals - 1:
                 combine_group(
-                    part_out_ptr, part_lse_ptr,
-                    (seq.to(tl.int64) * num_q_heads + kv_head * GROUP) * num_splits, num_splits, num_used,
-                    out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP).to(tl.int64) * stride_oh, stride_oh,
-                    GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_S, FIX_BF16,
+                    part_out_ptr,
+                    part_lse_ptr,
+                    (seq.to(tl.int64) * num_q_heads + kv_head * GROUP) * num_splits,
+                    num_splits,
+                    num_used,
+                    out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP).to(tl.int64) * stride_oh,
+                    stride_oh,
+                    GROUP,
+                    GROUP_P2,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    BLOCK_S,
+                    FIX_BF16,
                 )
                 tl.store(counter, 0)  # every ticket is taken: ready for the next launch
 
 
 @triton.jit
 def combine_group(
-    part_out_ptr, part_lse_ptr, row0, num_splits, num_used, out_ptr, stride_oh,
-    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, FIX_BF16: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    row0,
+    num_splits,
+    num_used,
+    out_ptr,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    FIX_BF16: tl.constexpr,
 ):
     """Combine the partials of the first num_used splits of GROUP query heads (scratch rows
     row0 + g * num_splits + s) into their outputs (out_ptr: the group's first head): weights
@@ -243,8 +317,12 @@ def combine_group(
         mask = g_mask[:, None] & (s < num_used)[None, :]  # (GROUP_P2, BLOCK_S)
         rows = rows_g[:, None] + s[None, :]
         lse = tl.load(part_lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_out_ptr + rows[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=mask[:, :, None],
-                    other=0.0, cache_modifier=".cg")  # (GROUP_P2, BLOCK_S, BLOCK_D)
+        o = tl.load(
+            part_out_ptr + rows[:, :, None] * BLOCK_D + offs_d[None, None, :],
+            mask=mask[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # (GROUP_P2, BLOCK_S, BLOCK_D)
         m_new = tl.maximum(m, tl.max(lse, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows (g >= GROUP)
         alpha = tl.exp2(m - shift)
@@ -253,8 +331,11 @@ def combine_group(
         weight_sum = weight_sum * alpha + tl.sum(w, 1)
         m = m_new
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
-    tl.store(out_ptr + offs_g[:, None] * stride_oh + offs_d[None, :], round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
-             mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(
+        out_ptr + offs_g[:, None] * stride_oh + offs_d[None, :],
+        round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
+        mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
 
 
 # Arrival counters of the split kernel, one zeroed int32 per (sequence, KV head), per device.
@@ -323,20 +404,44 @@ def decode_with_config(
     block_s = max(1, min(32, 8192 // (block_d * group_p2)))
 
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
-        q, k_cache, v_cache, block_tables, seq_lens,
-        out, part_out, part_lse, counters,
-        scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=config.block_n,
-        DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), SPLIT_P=config.split_p and split_p(q.dtype),
-        FIX_BF16=fix_bf16_rounding(q.dtype), GROUP_P2=group_p2, BLOCK_S=block_s,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        counters,
+        scale * LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE=page,
+        BLOCK_N=config.block_n,
+        DIRECT=direct,
+        PRECISION=dot_precision(q.dtype),
+        UPCAST=upcast_dot(q.dtype),
+        SPLIT_P=config.split_p and split_p(q.dtype),
+        FIX_BF16=fix_bf16_rounding(q.dtype),
+        GROUP_P2=group_p2,
+        BLOCK_S=block_s,
         **pdl_launch(q.device),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 

@@ -332,7 +332,9 @@ def qk_norm_rope_store(
     if out is None:
         q_out = torch.empty((n, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     else:
-        assert out.shape == (n, num_q_heads, head_dim) and out.dtype == q.dtype and out.is_contiguous(), "out: contiguous (N, Hq, D) of q's dtype"
+        assert out.shape == (n, num_q_heads, head_dim) and out.dtype == q.dtype and out.is_contiguous(), (
+            "out: contiguous (N, Hq, D) of q's dtype"
+        )
         q_out = out
     if n == 0:
         return q_out
@@ -360,7 +362,13 @@ def qk_norm_rope_store(
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr, FIX_BF16: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    inter,
+    BLOCK: tl.constexpr,
+    FIX_BF16: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -382,8 +390,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N,
         return out
     block = min(1024, next_pow2(inter))
     _silu_and_mul_kernel[(n, cdiv(inter, block))](  # fmt: skip
-        x, out, x.stride(0), out.stride(0), inter,
-        BLOCK=block, FIX_BF16=fix_bf16_rounding(x.dtype), **pdl_launch(x.device),
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        inter,
+        BLOCK=block,
+        FIX_BF16=fix_bf16_rounding(x.dtype),
+        **pdl_launch(x.device),
         num_warps=min(4, max(1, block // 256)),
     )
     return out

@@ -91,7 +91,14 @@ def _gemv_kernel(
         for k0 in tl.static_range(0, K, BLOCK_K):
             k = k0 + offs_k
             for r in tl.static_range(ROWS):
-                h = _norm_input(x_ptr + r * stride_xm + k, res_ptr + r * stride_rm + k, mask_and(k < K, r < M), HAS_RESIDUAL, dt, FIX_BF16)
+                h = _norm_input(
+                    x_ptr + r * stride_xm + k,
+                    res_ptr + r * stride_rm + k,
+                    mask_and(k < K, r < M),
+                    HAS_RESIDUAL,
+                    dt,
+                    FIX_BF16,
+                )
                 rstd += tl.where(offs_m == r, tl.sum(h * h, axis=0), 0.0)
         rstd = tl.rsqrt(rstd / K + eps)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
@@ -116,15 +123,20 @@ def _gemv_kernel(
                     tl.store(new_res_ptr + r * stride_nrm + k, h.to(dt), mask=mask_and(xm, pid == 0))
                 this_rstd = tl.sum(tl.where(offs_m == r, rstd, 0.0), axis=0)
                 normed = round_to(h * this_rstd, dt, FIX_BF16).to(tl.float32)
-                x = round_to(tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32) * normed, dt, FIX_BF16).to(tl.float32)
+                x = round_to(tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32) * normed, dt, FIX_BF16).to(
+                    tl.float32
+                )
             else:
                 x = tl.load(x_row, mask=xm, other=0.0).to(tl.float32)  # (BLOCK_K,)
             part = tl.sum(w * x[None, :], axis=1)  # (BLOCK_N,)
             acc += tl.where(offs_m[:, None] == r, part[None, :], 0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to(acc, dt, FIX_BF16),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+        round_to(acc, dt, FIX_BF16),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
 def gemv_block_n(n: int, sms: int) -> int:
@@ -172,9 +184,14 @@ def rms_norm_gemv(
 
 
 def _launch_gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False,
-    norm_weight: torch.Tensor | None = None, eps: float = 0.0,  # a norm weight: NORM mode
-    residual: torch.Tensor | None = None, new_residual: torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu_mul: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,  # a norm weight: NORM mode
+    residual: torch.Tensor | None = None,
+    new_residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape
@@ -267,7 +284,9 @@ def _silu_mul_linear_kernel(
             up = tl.load(up_rows + k[:, None])
         else:
             k_mask = k < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+            )
             w_mask = k_mask[:, None] & n_mask[None, :]
             gate = tl.load(gate_rows + k[:, None], mask=w_mask, other=0.0)
             up = tl.load(up_rows + k[:, None], mask=w_mask, other=0.0)
@@ -280,8 +299,11 @@ def _silu_mul_linear_kernel(
     gate = round_to(acc_gate, dt, FIX_BF16).to(tl.float32)
     up = round_to(acc_up, dt, FIX_BF16).to(tl.float32)
     silu = round_to(gate / (1.0 + tl.exp(-gate)), dt, FIX_BF16).to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to(silu * up, dt, FIX_BF16),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+        round_to(silu * up, dt, FIX_BF16),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
 def silu_mul_linear(

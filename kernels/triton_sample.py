@@ -148,5 +148,7 @@ def gumbel_sample(
     if final:
         return out
     # CHUNKS bounds num_chunks for any batch of this vocabulary: one compiled pick kernel
-    _gumbel_pick_kernel[(batch,)](best, best_idx, out, num_chunks, CHUNKS=max(2, next_pow2(cdiv(vocab, block))), num_warps=1)
+    _gumbel_pick_kernel[(batch,)](
+        best, best_idx, out, num_chunks, CHUNKS=max(2, next_pow2(cdiv(vocab, block))), num_warps=1
+    )
     return out

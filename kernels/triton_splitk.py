@@ -58,9 +58,25 @@ def _workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M: tl.con
 
 
 @triton.jit
-def _store_tile(total, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles,
-                offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS: tl.constexpr,
-                ROW_SCALE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, FIX_BF16: tl.constexpr):
+def _store_tile(
+    total,
+    rstd,
+    resid,
+    b_ptr,
+    out_ptr,
+    sums_out_ptr,
+    pid_n,
+    num_tiles,
+    offs_m,
+    offs_n,
+    m_mask,
+    n_mask,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+):
     """An output tile's fp32 sums, scaled by its rows' RMSNorm factors rstd (ROW_SCALE), + bias,
     rounded once, stored; with ADD_RESIDUAL added to resid (out's tile as it was, the residual;
     rounded as the fused norm's residual add rounds) and the new rows' sums of squares over the
@@ -108,7 +124,9 @@ def _splitk_linear_kernel(
     else:
         rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
     if ADD_RESIDUAL:  # likewise; only this tile's last program writes the tile, after its loads
-        resid = tl.load(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        resid = tl.load(
+            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0
+        )
     else:
         resid = tl.zeros((BLOCK_M, BLOCK_N), out_ptr.dtype.element_ty)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -123,12 +141,31 @@ def _splitk_linear_kernel(
             w = tl.load(w_cols + k[:, None])
         else:
             k_mask = (k < K) & (k0 + offs_k < K_SLICE)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+            )
             w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(x, w, acc) if not UPCAST else acc + mma(x, w, PRECISION, UPCAST)
     if SPLIT == 1:
-        _store_tile(acc, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles,
-                    offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS, ROW_SCALE, ADD_RESIDUAL, FIX_BF16)
+        _store_tile(
+            acc,
+            rstd,
+            resid,
+            b_ptr,
+            out_ptr,
+            sums_out_ptr,
+            pid_n,
+            num_tiles,
+            offs_m,
+            offs_n,
+            m_mask,
+            n_mask,
+            stride_om,
+            HAS_BIAS,
+            ROW_SCALE,
+            ADD_RESIDUAL,
+            FIX_BF16,
+        )
     else:
         tl.store(_workspace_tile(ws_ptr, pid_s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N), acc)
         tl.debug_barrier()  # every thread's partials are written before the ticket (a release) is taken
@@ -137,10 +174,28 @@ def _splitk_linear_kernel(
             tl.store(tickets_ptr + pid_n, 0)  # ready for the next launch
             total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in tl.static_range(SPLIT):  # in slice order, whoever arrives last
-                total += tl.load(_workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N),
-                                 cache_modifier=".cg")
-            _store_tile(total, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles,
-                        offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS, ROW_SCALE, ADD_RESIDUAL, FIX_BF16)
+                total += tl.load(
+                    _workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N), cache_modifier=".cg"
+                )
+            _store_tile(
+                total,
+                rstd,
+                resid,
+                b_ptr,
+                out_ptr,
+                sums_out_ptr,
+                pid_n,
+                num_tiles,
+                offs_m,
+                offs_n,
+                m_mask,
+                n_mask,
+                stride_om,
+                HAS_BIAS,
+                ROW_SCALE,
+                ADD_RESIDUAL,
+                FIX_BF16,
+            )
 
 
 class SplitKConfig(NamedTuple):
@@ -198,7 +253,9 @@ def splitk_add_residual(
     residual rows' sums of squares, one part per output tile: the row_sums of the next
     projection, which then normalises in its epilogue instead of a norm launch in between."""
     assert residual.shape == (x.shape[0], weight.shape[0]) and residual.dtype == x.dtype and residual.stride(-1) == 1, (
-        residual.shape, residual.dtype)
+        residual.shape,
+        residual.dtype,
+    )
     return _launch(x, weight, bias, residual, split, block_n, None, 0.0, add_residual=True)
 
 
@@ -228,7 +285,9 @@ def _launch(x, weight, bias, out, split, block_n, row_sums, eps, add_residual: b
     if m == 0:
         return sums_out
     block_m = max(16, next_pow2(m))
-    workspace = torch.empty((split, tiles, block_m, block_n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    workspace = torch.empty(
+        (split, tiles, block_m, block_n) if split > 1 else (1,), dtype=torch.float32, device=x.device
+    )
     num_sums_in = row_sums.shape[1] if row_sums is not None else 1
     _splitk_linear_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, out, workspace, arrival_counters(x.device, tiles),

@@ -80,8 +80,12 @@ class KVCacheService:
                 self.last_results = [convert.result_from_pb(r) for r in msg.results]
                 self.last_response = msg
         self._stale = False
-        logger.info("KV state loaded: step %d, %s, %d sequences", self.step,
-                    self.config or "no pools", len(self.manager.seqs) if self.manager else 0)
+        logger.info(
+            "KV state loaded: step %d, %s, %d sequences",
+            self.step,
+            self.config or "no pools",
+            len(self.manager.seqs) if self.manager else 0,
+        )
 
     # ----------------------------------------------------------------- steps
     def apply_step(self, step: int, ops: list[Op]) -> list[OpResult]:
@@ -121,7 +125,9 @@ class KVCacheService:
             return self.last_response
         return convert.step_response(step, results)
 
-    def _persist(self, step: int, results: list[OpResult], full_write: bool, dirty_seqs: set[str]) -> pb.ApplyStepResponse:
+    def _persist(
+        self, step: int, results: list[OpResult], full_write: bool, dirty_seqs: set[str]
+    ) -> pb.ApplyStepResponse:
         response = convert.step_response(step, results)
         try:
             if not self.store.persistent:  # nothing is written: no serialising or exporting
@@ -167,8 +173,17 @@ class KVCacheService:
         m = self.manager
         if m is None:
             return KVInfo(self.config, self.step, 0, 0, 0, self.store.kind, 0, 0, True)
-        return KVInfo(self.config, self.step, m.device.num_free_blocks, m.host.num_free_blocks, len(m.seqs), self.store.kind,
-                      m.num_prefix_queries, m.num_prefix_hits, m.all_free_or_cached())
+        return KVInfo(
+            self.config,
+            self.step,
+            m.device.num_free_blocks,
+            m.host.num_free_blocks,
+            len(m.seqs),
+            self.store.kind,
+            m.num_prefix_queries,
+            m.num_prefix_hits,
+            m.all_free_or_cached(),
+        )
 
     def check_invariants(self) -> str | None:
         """None when the invariant holds, else the first violation."""

@@ -64,14 +64,30 @@ class RemoteModelInfo:
 
 
 def info_from_pb(m: pb.GetInfoResponse) -> RemoteModelInfo:
-    config = RemoteModelConfig(m.family, m.vocab_size, m.max_position_embeddings, tuple(m.eos_token_ids),
-                               m.bos_token_id if m.HasField("bos_token_id") else None)
-    return RemoteModelInfo(m.epoch, m.model, m.block_size, m.num_device_blocks, m.num_host_blocks, m.device, m.dtype, config,
-                           m.columnar_step)
+    config = RemoteModelConfig(
+        m.family,
+        m.vocab_size,
+        m.max_position_embeddings,
+        tuple(m.eos_token_ids),
+        m.bos_token_id if m.HasField("bos_token_id") else None,
+    )
+    return RemoteModelInfo(
+        m.epoch,
+        m.model,
+        m.block_size,
+        m.num_device_blocks,
+        m.num_host_blocks,
+        m.device,
+        m.dtype,
+        config,
+        m.columnar_step,
+    )
 
 
 class RemoteModel:
-    def __init__(self, address: str, rpc_timeout_s: float = 30.0, retry_window_s: float = 1.0, token: str | None = None) -> None:
+    def __init__(
+        self, address: str, rpc_timeout_s: float = 30.0, retry_window_s: float = 1.0, token: str | None = None
+    ) -> None:
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
         self.retry_window_s = retry_window_s
@@ -112,8 +128,14 @@ class RemoteModel:
         """The service's current info (its epoch may be new); ModelUnavailable if it does not
         answer within `window_s` (default: the retry window)."""
         window = self.retry_window_s if window_s is None else window_s
-        resp = call_with_retry(self._get_info, pb.GetInfoRequest(), time.monotonic() + window,
-                               min(self.rpc_timeout_s, max(window, 0.05)), f"model {self.address} GetInfo", ModelUnavailable)
+        resp = call_with_retry(
+            self._get_info,
+            pb.GetInfoRequest(),
+            time.monotonic() + window,
+            min(self.rpc_timeout_s, max(window, 0.05)),
+            f"model {self.address} GetInfo",
+            ModelUnavailable,
+        )
         return info_from_pb(resp)
 
     def connect(self, timeout_s: float) -> RemoteModelInfo:
@@ -129,7 +151,9 @@ class RemoteModel:
         start = time.monotonic()
         t = self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
         try:
-            resp = call_with_retry(self._step, request, start + self.retry_window_s, t, f"model {self.address} Step", ModelUnavailable)
+            resp = call_with_retry(
+                self._step, request, start + self.retry_window_s, t, f"model {self.address} Step", ModelUnavailable
+            )
         except FailedPrecondition as exc:  # another epoch: the service restarted
             raise ModelRestarted(str(exc)) from None
         finally:

@@ -81,15 +81,31 @@ class GraphInputs(NamedTuple):
         longs = buf[:end64].view(i64)
         ints = buf[end64:end32].view(i32)
         floats = buf[end32 : end32 + 4 * n].view(f32)
-        return cls(longs[:n], longs[n : 2 * n], longs[2 * n : 3 * n], longs[3 * n : 4 * n], ints[:n], ints[n : n + 1],
-                   ints[n + 1 :], floats, longs[4 * n :])
+        return cls(
+            longs[:n],
+            longs[n : 2 * n],
+            longs[2 * n : 3 * n],
+            longs[3 * n : 4 * n],
+            ints[:n],
+            ints[n : n + 1],
+            ints[n + 1 :],
+            floats,
+            longs[4 * n :],
+        )
 
     def pad(self, batch: int, bucket: int, spare_row: int = 0) -> None:
         """Rows batch..bucket as padding: token 0 at position 0, writing nowhere, one token of
         context, block-table row `spare_row` (where the sampling graph leaves their draws),
         greedy."""
-        padding = ((self.input_ids, 0), (self.positions, 0), (self.slot_mapping, -1), (self.rows, spare_row),
-                   (self.seq_lens, 1), (self.greedy, 1), (self.temperature, 1.0))
+        padding = (
+            (self.input_ids, 0),
+            (self.positions, 0),
+            (self.slot_mapping, -1),
+            (self.rows, spare_row),
+            (self.seq_lens, 1),
+            (self.greedy, 1),
+            (self.temperature, 1.0),
+        )
         for field, value in padding:
             field[batch:bucket] = value
 
@@ -107,9 +123,19 @@ class DecodeGraphs:
     can sample (greedy or plain temperature) is then two replays, with no launch in between
     for the LM head, the sampler or the record of the draws."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list, max_batch: int, max_blocks_per_seq: int, device: torch.device,
-                 max_prefix_blocks: int = 0, last_token_rows: int = 4096, capture: bool = True,
-                 sample: Callable[..., Any] | None = None, pdl_max_batch: int = PDL_MAX_BATCH) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        max_prefix_blocks: int = 0,
+        last_token_rows: int = 4096,
+        capture: bool = True,
+        sample: Callable[..., Any] | None = None,
+        pdl_max_batch: int = PDL_MAX_BATCH,
+    ) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_batch, self.max_blocks = max_batch, max_blocks_per_seq
         self.max_prefix_blocks = max_prefix_blocks  # cascade graphs: the shared prefix's bound (0: none)
@@ -124,7 +150,9 @@ class DecodeGraphs:
         self.host.pad(0, max_batch, self.spare_row)
         self.buffer = torch.from_numpy(self.host_buffer).to(device, copy=True)
         self.inputs = GraphInputs.views(self.buffer, max_batch)
-        self.input_ids, self.positions, self.slot_mapping, self.rows, self.seq_lens, self.prefix_blocks = self.inputs[:6]
+        self.input_ids, self.positions, self.slot_mapping, self.rows, self.seq_lens, self.prefix_blocks = self.inputs[
+            :6
+        ]
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         # Keyed by (batch bucket, cascade).
@@ -140,9 +168,13 @@ class DecodeGraphs:
 
     def _meta(self, batch: int, cascade: bool) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch], block_tables=self.block_tables[:batch], seq_lens=self.seq_lens[:batch],
-            cu_seqlens_q=self.cu_seqlens_q[: batch + 1], is_decode=True,
-            prefix_blocks=self.prefix_blocks if cascade else None, max_prefix_blocks=self.max_prefix_blocks if cascade else 0,
+            slot_mapping=self.slot_mapping[:batch],
+            block_tables=self.block_tables[:batch],
+            seq_lens=self.seq_lens[:batch],
+            cu_seqlens_q=self.cu_seqlens_q[: batch + 1],
+            is_decode=True,
+            prefix_blocks=self.prefix_blocks if cascade else None,
+            max_prefix_blocks=self.max_prefix_blocks if cascade else 0,
         )
 
     @torch.inference_mode()
@@ -163,8 +195,13 @@ class DecodeGraphs:
                     logger.warning("sampling in the decode graphs failed; the runner samples after them", exc_info=True)
                     self.sample, self.sample_graphs = None, {}
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch sizes up to %d; cascade from %d sequences; sampling %s)",
-                    len(self.graphs), self.max_batch, CASCADE_MIN_SEQS, "captured" if self.sample_graphs else "not captured")
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes up to %d; cascade from %d sequences; sampling %s)",
+            len(self.graphs),
+            self.max_batch,
+            CASCADE_MIN_SEQS,
+            "captured" if self.sample_graphs else "not captured",
+        )
 
     def _capture_one(self, run: Callable[[int, bool], torch.Tensor], key: tuple[int, bool], pool):
         """(graph, its output, the pool) of run(*key), warmed up first (kernels compile,
@@ -196,8 +233,16 @@ class DecodeGraphs:
     def has_cascade(self, batch: int, prefix_blocks: int) -> bool:
         return (self.bucket(batch), True) in self.graphs and prefix_blocks <= self.max_prefix_blocks
 
-    def replay_decode(self, token_ids: list[int], positions: list[int], rows: list[int], tables: np.ndarray,
-                      block_size: int, staging: PinnedStaging, sampling: tuple[list[float], list[bool], int] | None = None) -> DecodeReplay:
+    def replay_decode(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        rows: list[int],
+        tables: np.ndarray,
+        block_size: int,
+        staging: PinnedStaging,
+        sampling: tuple[list[float], list[bool], int] | None = None,
+    ) -> DecodeReplay:
         """One decode step: its values written into the host image (PLACEHOLDER tokens stay
         so: the graph reads them from last_token), the padding rows of its bucket reset, then
         one staged copy of the image and one of the block tables (rows, as wide as the
@@ -241,7 +286,9 @@ class DecodeGraphs:
     def can_run(self, batch: int, meta: AttentionMetadata) -> bool:
         if batch > self.max_batch or meta.block_tables.shape[1] > self.max_blocks:
             return False
-        return meta.prefix_blocks is None or (batch >= CASCADE_MIN_SEQS and meta.max_prefix_blocks <= self.max_prefix_blocks)
+        return meta.prefix_blocks is None or (
+            batch >= CASCADE_MIN_SEQS and meta.max_prefix_blocks <= self.max_prefix_blocks
+        )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Copy a prepared batch's device inputs into the buffers, then replay (multi-step

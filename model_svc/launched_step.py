@@ -19,8 +19,14 @@ class LaunchedStep:
     """A step whose device work is queued: the sampled ids are copied to pinned host memory
     behind an event, so waiting for them does not stall the work queued after it."""
 
-    def __init__(self, states: dict[str, Any], state_lock: threading.Lock, seqs: list[SeqStep], token_ids: torch.Tensor | None,
-                 sampler_out=None) -> None:
+    def __init__(
+        self,
+        states: dict[str, Any],
+        state_lock: threading.Lock,
+        seqs: list[SeqStep],
+        token_ids: torch.Tensor | None,
+        sampler_out=None,
+    ) -> None:
         self.states, self.state_lock, self.seqs, self.sampler_out = states, state_lock, seqs, sampler_out
         self._host = None
         self._event = None
@@ -45,7 +51,9 @@ class LaunchedStep:
             self._event.synchronize()
         tokens = self._host.tolist()  # (B, num_steps)
         states = self.states
-        out = StepOutput([SampledToken(s.seq_id, toks[0], extra_token_ids=toks[1:]) for s, toks in zip(self.seqs, tokens)])
+        out = StepOutput(
+            [SampledToken(s.seq_id, toks[0], extra_token_ids=toks[1:]) for s, toks in zip(self.seqs, tokens)]
+        )
         with self.state_lock:  # the model service may be launching the next step meanwhile
             for s, toks in zip(self.seqs, tokens):
                 state = states.get(s.seq_id)

@@ -137,7 +137,9 @@ class SiluAndMul(nn.Module):
         return silu_and_mul_ref(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_ops: ModuleType | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_ops: ModuleType | None
+) -> torch.Tensor:
     """F.linear, or a Triton kernel for decode batches: gemv for a few 16-bit rows, split-K
     for tens of rows into a narrower output (o_proj, down_proj)."""
     if gemv_ops is not None:
@@ -163,7 +165,9 @@ class MergedLinear(Linear):
     """Several projections of the same input as one Linear (e.g. q|k|v, gate|up). The loader
     fills each checkpoint tensor into its row slice with load_shard."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, ops: KernelOps | None = None) -> None:
+    def __init__(
+        self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, ops: KernelOps | None = None
+    ) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias, ops=ops)
         self.shard_slices: dict[str, slice] = {}
         start = 0
@@ -224,8 +228,16 @@ class Attention(nn.Module):
             self.ops.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
         if attn.is_decode:
             if attn.prefix_blocks is not None:
-                return self.ops.cascade_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale,
-                                                         attn.prefix_blocks, attn.max_prefix_blocks)
+                return self.ops.cascade_decode_attention(
+                    q,
+                    k_cache,
+                    v_cache,
+                    attn.block_tables,
+                    attn.seq_lens,
+                    self.scale,
+                    attn.prefix_blocks,
+                    attn.max_prefix_blocks,
+                )
             return self.ops.paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
         return self.ops.paged_prefill_attention(
             q, k_cache, v_cache, attn.block_tables, attn.cu_seqlens_q, attn.seq_lens, self.scale, attn.max_query_len

@@ -46,8 +46,9 @@ def supports_piecewise(model: torch.nn.Module) -> bool:
 
 
 class PrefillGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, max_tokens: int, device: torch.device,
-                 capture: bool = True) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv_caches: list, max_tokens: int, device: torch.device, capture: bool = True
+    ) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.inner = model.model
         self.layers = list(self.inner.layers)
@@ -82,7 +83,8 @@ class PrefillGraphs:
             return self.inner.norm(x, residual)[0]
         rope = self.inner.rotary_emb.inputs(self.positions[:n], gather=False)
         _, self._residual = self.layers[i].before_attention(
-            x, residual, rope, self.kv_caches[i], self.slot_mapping[:n], q_out=self.q[:n])
+            x, residual, rope, self.kv_caches[i], self.slot_mapping[:n], q_out=self.q[:n]
+        )
         return None
 
     def _attention(self, i: int, n: int, meta: AttentionMetadata) -> None:
@@ -92,8 +94,17 @@ class PrefillGraphs:
 
         attn = self.layers[i].self_attn.attn
         k_cache, v_cache = self.kv_caches[i]
-        prefill_with_config(self.q[:n], k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, attn.scale,
-                            out=self.attn_out[:n], max_query_len=meta.max_query_len)
+        prefill_with_config(
+            self.q[:n],
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            attn.scale,
+            out=self.attn_out[:n],
+            max_query_len=meta.max_query_len,
+        )
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -111,8 +122,12 @@ class PrefillGraphs:
                 graphs.append(graph)
             self.graphs[n], self.hidden[n] = graphs, out
         torch.cuda.synchronize(self.device)
-        logger.info("captured prefill graphs for %d token buckets up to %d (%d pieces each)", len(self.buckets),
-                    self.buckets[-1], len(self.layers) + 1)
+        logger.info(
+            "captured prefill graphs for %d token buckets up to %d (%d pieces each)",
+            len(self.buckets),
+            self.buckets[-1],
+            len(self.layers) + 1,
+        )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's hidden states (n, hidden) for a non-decode step of n <= max bucket tokens."""

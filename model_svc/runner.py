@@ -81,7 +81,9 @@ class ModelRunner:
         small_batch_pdl: bool = True,  # the small-batch decode graphs capture PDL (scheduler_svc.config.small_batch_pdl)
         torch_threads: int | None = None,  # CPU only; None: loader.cpu_threads picks by model size
     ) -> None:
-        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = (
+            torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
         self.dtype = resolve_dtype(dtype, self.device)
         self.ops = select_ops(self.device, kernel_backend)
         if model is None:
@@ -97,9 +99,13 @@ class ModelRunner:
             from kernels.triton_sample import gumbel_sample as fused_sample
         self.sampler = Sampler(fused_sample)  # before profiling: the profile runs it
         if num_device_blocks is None:
-            num_device_blocks = self._profile_num_blocks(device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens, max_num_seqs)
+            num_device_blocks = self._profile_num_blocks(
+                device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens, max_num_seqs
+            )
         if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
-            num_host_blocks = num_host_blocks(num_device_blocks, KVCachePools.bytes_per_block(self.config, block_size, self.dtype))
+            num_host_blocks = num_host_blocks(
+                num_device_blocks, KVCachePools.bytes_per_block(self.config, block_size, self.dtype)
+            )
         self.pools = KVCachePools(self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype)
         max_len = min(self.config.max_position_embeddings, num_device_blocks * block_size)
         self.block_tables = HostBlockTables(-(-max_len // block_size))
@@ -121,17 +127,33 @@ class ModelRunner:
             from model_svc.cuda_graphs import PDL_MAX_BATCH, DecodeGraphs
 
             width = self.block_tables.table.shape[1]  # blocks of the longest possible sequence
-            self.graphs = DecodeGraphs(self.model, self.pools.layer_caches, min(max_num_seqs, 512), width, self.device,
-                                       max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // block_size), sample=fused_sample,
-                                       pdl_max_batch=PDL_MAX_BATCH if small_batch_pdl else 0)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.pools.layer_caches,
+                min(max_num_seqs, 512),
+                width,
+                self.device,
+                max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // block_size),
+                sample=fused_sample,
+                pdl_max_batch=PDL_MAX_BATCH if small_batch_pdl else 0,
+            )
             self._last_token = self.graphs.last_token
             if supports_piecewise(self.model):
-                self.prefill_graphs = PrefillGraphs(self.model, self.pools.layer_caches, max_num_batched_tokens, self.device)
+                self.prefill_graphs = PrefillGraphs(
+                    self.model, self.pools.layer_caches, max_num_batched_tokens, self.device
+                )
         if self.device.type == "cuda":
             self._compile_kernels()
         self.seqs: dict[str, _SeqState] = {}
-        logger.info("model runner: %s on %s (%s), kernels=%s, %d device blocks, %d host blocks",
-                    self.config.architecture, self.device, self.dtype, self.ops.name, num_device_blocks, num_host_blocks)
+        logger.info(
+            "model runner: %s on %s (%s), kernels=%s, %d device blocks, %d host blocks",
+            self.config.architecture,
+            self.device,
+            self.dtype,
+            self.ops.name,
+            num_device_blocks,
+            num_host_blocks,
+        )
 
     @property
     def num_device_blocks(self) -> int:
@@ -157,7 +179,10 @@ class ModelRunner:
             # largest temporaries): counted in the peak, and its blocks stay in the allocator.
             rows = min(n, max_seqs)
             knobs = _ProfileSampling()
-            self.sampler(self.model.compute_logits(hidden[-rows:]), SamplingBatch.build([knobs] * rows, None, None, None, self.device))
+            self.sampler(
+                self.model.compute_logits(hidden[-rows:]),
+                SamplingBatch.build([knobs] * rows, None, None, None, self.device),
+            )
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -165,7 +190,9 @@ class ModelRunner:
         budget = int(total * fraction) - (total - free) - (peak - in_use)
         num = budget // block_bytes
         if num < 16:
-            raise RuntimeError(f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after the weights")
+            raise RuntimeError(
+                f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after the weights"
+            )
         return int(num)
 
     def _dummy_prefill(self, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -253,7 +280,11 @@ class ModelRunner:
         t = phase_times.start()
         logits = self.model.compute_logits(hidden)
         result = self.sampler(logits, self._sampling_batch(states), seqs)  # a row that fails alone: SequenceFailed
-        table_rows = self._rows if len(seqs) == len(inp.seqs) else self._h2d(np.asarray([st.row for st in states], dtype=np.int64))
+        table_rows = (
+            self._rows
+            if len(seqs) == len(inp.seqs)
+            else self._h2d(np.asarray([st.row for st in states], dtype=np.int64))
+        )
         self._remember_sampled(table_rows, result.token_ids)
         phase_times.add("runner.sample", t)
         t = phase_times.start()
@@ -261,7 +292,9 @@ class ModelRunner:
         phase_times.add("runner.readback_queued", t)
         return launched
 
-    def _graph_decode(self, seqs: list[SeqStep], states: list[_SeqState], rows: list[int], tables: np.ndarray) -> DecodeReplay | None:
+    def _graph_decode(
+        self, seqs: list[SeqStep], states: list[_SeqState], rows: list[int], tables: np.ndarray
+    ) -> DecodeReplay | None:
         """A decode batch that samples every sequence, replayed from the decode graphs with its
         inputs written straight into their buffers (DecodeGraphs.replay_decode); sampled in
         the graphs too when the one-pass kernel takes every row. None when the batch is not
@@ -277,8 +310,15 @@ class ModelRunner:
         sampling = None
         if g.sample_graphs and all(st.plain is not None for st in states):
             sampling = ([st.plain[0] for st in states], [st.plain[1] for st in states], self.sampler.next_seed())
-        return g.replay_decode([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs], rows, tables,
-                               self.block_size, self._staging, sampling)
+        return g.replay_decode(
+            [s.token_ids[0] for s in seqs],
+            [s.start_pos for s in seqs],
+            rows,
+            tables,
+            self.block_size,
+            self._staging,
+            sampling,
+        )
 
     def _sampling_batch(self, states: list["_SeqState"]) -> SamplingBatch:
         """The step's per-row sampling tensors. A decode batch usually has the rows of the step
@@ -287,11 +327,17 @@ class ModelRunner:
         params = [st.sampling for st in states]
         gens = [st.generator for st in states]
         cached = self._batch_cache
-        if cached is not None and len(cached[0]) == len(params) \
-                and all(a is b for a, b in zip(cached[0], params)) and all(a is b for a, b in zip(cached[1], gens)):
+        if (
+            cached is not None
+            and len(cached[0]) == len(params)
+            and all(a is b for a, b in zip(cached[0], params))
+            and all(a is b for a, b in zip(cached[1], gens))
+        ):
             return cached[2]
         prompts = outputs = None
-        penalties = any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        penalties = any(
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
+        )
         if penalties:
             prompts = [st.token_ids[: st.num_prompt_tokens] for st in states]
             outputs = [st.token_ids[st.num_prompt_tokens :] for st in states]
@@ -335,7 +381,14 @@ class ModelRunner:
             return self.prefill_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.pools.layer_caches, meta)
 
-    def _multi_step(self, num_steps: int, seqs: list[SeqStep], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> LaunchedStep:
+    def _multi_step(
+        self,
+        num_steps: int,
+        seqs: list[SeqStep],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> LaunchedStep:
         """num_steps decode steps back to back: each feeds the tokens the previous one sampled,
         with positions, slots and lengths advanced on the device; one host sync at the end.
         The scheduler has reserved the blocks of every sub-step."""
@@ -352,9 +405,13 @@ class ModelRunner:
                 positions = positions + 1
                 block = meta.block_tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1).long()
                 meta = AttentionMetadata(
-                    slot_mapping=block * bs + positions % bs, block_tables=meta.block_tables, seq_lens=meta.seq_lens + 1,
-                    cu_seqlens_q=meta.cu_seqlens_q, is_decode=True,
-                    prefix_blocks=meta.prefix_blocks, max_prefix_blocks=meta.max_prefix_blocks,
+                    slot_mapping=block * bs + positions % bs,
+                    block_tables=meta.block_tables,
+                    seq_lens=meta.seq_lens + 1,
+                    cu_seqlens_q=meta.cu_seqlens_q,
+                    is_decode=True,
+                    prefix_blocks=meta.prefix_blocks,
+                    max_prefix_blocks=meta.max_prefix_blocks,
                 )
         self._remember_sampled(self._rows, input_ids)
         return LaunchedStep(self.seqs, self._state_lock, seqs, torch.stack(sampled, dim=1))  # (B, num_steps)
@@ -362,14 +419,28 @@ class ModelRunner:
     def _update_seq(self, s: SeqStep) -> None:
         state = self.seqs.get(s.seq_id)
         if state is None or s.sampling is not None:
-            problem = "its first step must carry sampling params" if s.sampling is None else row_problem(s.sampling, self.config.vocab_size)
+            problem = (
+                "its first step must carry sampling params"
+                if s.sampling is None
+                else row_problem(s.sampling, self.config.vocab_size)
+            )
             if problem is not None:
                 raise SequenceFailed(s.seq_id, problem)
             if state is None:
-                gen = make_generator(s.sampling.seed, self.device) if getattr(s.sampling, "seed", None) is not None else None
+                gen = (
+                    make_generator(s.sampling.seed, self.device)
+                    if getattr(s.sampling, "seed", None) is not None
+                    else None
+                )
                 prompt = list(s.prompt_token_ids or [])
-                state = _SeqState(s.sampling, len(prompt), token_ids=prompt, generator=gen, row=self.block_tables.acquire(),
-                                  plain=plain_row(s.sampling))
+                state = _SeqState(
+                    s.sampling,
+                    len(prompt),
+                    token_ids=prompt,
+                    generator=gen,
+                    row=self.block_tables.acquire(),
+                    plain=plain_row(s.sampling),
+                )
                 self.seqs[s.seq_id] = state
         if s.table_blocks is not None:
             self.block_tables.write(state.row, s.table_start, s.table_blocks)
@@ -382,14 +453,16 @@ class ModelRunner:
             if len(state.token_ids) >= end:
                 fed = fed[:-1] + [state.token_ids[end - 1]]  # its result was already read back
         state.sampled |= s.sample
-        del state.token_ids[s.start_pos:]
+        del state.token_ids[s.start_pos :]
         if len(state.token_ids) < s.start_pos:  # history unknown (restart): pad, positions matter
             state.token_ids.extend([-1] * (s.start_pos - len(state.token_ids)))
         state.token_ids.extend(fed)
         if end > state.num_blocks * self.block_size:
             raise SequenceFailed(s.seq_id, f"{end} tokens but only {state.num_blocks} blocks")
 
-    def _prepare(self, seqs: list[SeqStep], rows: list[int], tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, SeqStep]]]:
+    def _prepare(
+        self, seqs: list[SeqStep], rows: list[int], tables: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, SeqStep]]]:
         """Flatten the batch (rows: the sequences' rows of the persistent host block table,
         tables: those rows, as wide as the longest). The slot mapping is computed from the
         tables on the host, and every per-token and per-sequence array travels in one
@@ -398,8 +471,15 @@ class ModelRunner:
         lens = [len(s.token_ids) for s in seqs]
         num_tokens = sum(lens)
         packed = np.empty(3 * num_tokens + 3 * num_seqs + 2, dtype=np.int64)
-        ids, pos, slots = packed[:num_tokens], packed[num_tokens : 2 * num_tokens], packed[2 * num_tokens : 3 * num_tokens]
-        seq_lens, cu = packed[3 * num_tokens : 3 * num_tokens + num_seqs], packed[3 * num_tokens + num_seqs : 3 * num_tokens + 2 * num_seqs + 1]
+        ids, pos, slots = (
+            packed[:num_tokens],
+            packed[num_tokens : 2 * num_tokens],
+            packed[2 * num_tokens : 3 * num_tokens],
+        )
+        seq_lens, cu = (
+            packed[3 * num_tokens : 3 * num_tokens + num_seqs],
+            packed[3 * num_tokens + num_seqs : 3 * num_tokens + 2 * num_seqs + 1],
+        )
         cu[0] = 0
         np.cumsum(lens, out=cu[1:])
         if num_tokens == num_seqs:  # decode: one token each
@@ -431,7 +511,8 @@ class ModelRunner:
             seq_lens=packed_dev[3 * t : 3 * t + num_seqs].to(torch.int32),
             cu_seqlens_q=packed_dev[3 * t + num_seqs : 3 * t + 2 * num_seqs + 1].to(torch.int32),
             is_decode=num_tokens == num_seqs,
-            prefix_blocks=packed_dev[-1:].to(torch.int32) if prefix else None, max_prefix_blocks=prefix,
+            prefix_blocks=packed_dev[-1:].to(torch.int32) if prefix else None,
+            max_prefix_blocks=prefix,
             max_query_len=max(lens),
         )
         ids_dev, pos_dev = packed_dev[:t], packed_dev[t : 2 * t]

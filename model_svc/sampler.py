@@ -54,8 +54,12 @@ def plain_row(params: Any) -> tuple[float, bool] | None:
     holds (Sampler's fused path, and the decode graphs' sampling): greedy, or temperature
     alone (no top-k, top-p, min-p or seed); no penalties or logprobs either way. None for any
     other row. A greedy row's temperature is 1.0, as SamplingBatch keeps it."""
-    if params.logprobs is not None or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 \
-            or params.frequency_penalty != 0.0:
+    if (
+        params.logprobs is not None
+        or params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    ):
         return None
     if is_greedy(params):
         return 1.0, True
@@ -148,8 +152,11 @@ class SamplingBatch:
 
     def row(self, i: int) -> SamplingBatch:
         """Row i alone, as a batch of one."""
-        cut = {f.name: getattr(self, f.name)[i : i + 1] for f in dataclasses.fields(self)
-               if isinstance(getattr(self, f.name), (torch.Tensor, list))}
+        cut = {
+            f.name: getattr(self, f.name)[i : i + 1]
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), (torch.Tensor, list))
+        }
         n = self.num_logprobs[i]
         return dataclasses.replace(self, **cut, all_greedy=bool(self.greedy[i]), max_num_logprobs=n, plain=False)
 
@@ -247,7 +254,9 @@ class Sampler:
         return (self._seed + self._calls * 0x9E3779B1) & 0x7FFFFFFF
 
     def _fused_ok(self, batch: SamplingBatch) -> bool:
-        return self.fused is not None and batch.plain and not batch.all_greedy and all(g is None for g in batch.generators)
+        return (
+            self.fused is not None and batch.plain and not batch.all_greedy and all(g is None for g in batch.generators)
+        )
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, seqs: Sequence[Any] | None = None) -> SamplerOutput:
         """Sample every row. seqs: the rows' sequences (with a seq_id); when the batch fails,

@@ -64,19 +64,37 @@ class ModelService:
 
         c = self.config  # validated when loaded (ModelSection); c.model is a local directory (serve_cli)
         self.runner = ModelRunner(
-            c.model, block_size=c.block_size, num_device_blocks=c.num_gpu_blocks,
+            c.model,
+            block_size=c.block_size,
+            num_device_blocks=c.num_gpu_blocks,
             num_host_blocks=functools.partial(host_pool_blocks, c.num_cpu_blocks, c.swap_space_gib),
-            device=c.device, dtype=c.dtype, kernel_backend=c.kernel_backend,
-            device_memory_fraction=c.gpu_memory_utilization, max_num_batched_tokens=c.max_num_batched_tokens,
-            enforce_eager=c.enforce_eager, max_num_seqs=self.max_num_seqs, torch_threads=c.torch_threads,
+            device=c.device,
+            dtype=c.dtype,
+            kernel_backend=c.kernel_backend,
+            device_memory_fraction=c.gpu_memory_utilization,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            enforce_eager=c.enforce_eager,
+            max_num_seqs=self.max_num_seqs,
+            torch_threads=c.torch_threads,
         )
 
     def info(self) -> ModelInfo:
         r = self._ready()
         mc = r.config
-        return ModelInfo(self.epoch, self.config.model, mc.family, mc.vocab_size, mc.max_position_embeddings,
-                         tuple(mc.eos_token_ids), mc.bos_token_id, r.block_size, r.num_device_blocks, r.num_host_blocks,
-                         str(r.device), str(r.dtype))
+        return ModelInfo(
+            self.epoch,
+            self.config.model,
+            mc.family,
+            mc.vocab_size,
+            mc.max_position_embeddings,
+            tuple(mc.eos_token_ids),
+            mc.bos_token_id,
+            r.block_size,
+            r.num_device_blocks,
+            r.num_host_blocks,
+            str(r.device),
+            str(r.dtype),
+        )
 
     def launch(self, expected_epoch: str, inp: StepInput) -> Any:
         """Queue the step on the device (ModelRunner.launch); `.result()` reads it back."""
@@ -93,9 +111,19 @@ class ModelService:
 
 def info_to_pb(i: ModelInfo) -> pb.GetInfoResponse:
     return pb.GetInfoResponse(
-        epoch=i.epoch, model=i.model, family=i.family, vocab_size=i.vocab_size, max_position_embeddings=i.max_position_embeddings,
-        eos_token_ids=i.eos_token_ids, bos_token_id=i.bos_token_id, block_size=i.block_size, num_device_blocks=i.num_device_blocks,
-        num_host_blocks=i.num_host_blocks, device=i.device, dtype=i.dtype, columnar_step=True,
+        epoch=i.epoch,
+        model=i.model,
+        family=i.family,
+        vocab_size=i.vocab_size,
+        max_position_embeddings=i.max_position_embeddings,
+        eos_token_ids=i.eos_token_ids,
+        bos_token_id=i.bos_token_id,
+        block_size=i.block_size,
+        num_device_blocks=i.num_device_blocks,
+        num_host_blocks=i.num_host_blocks,
+        device=i.device,
+        dtype=i.dtype,
+        columnar_step=True,
     )
 
 
@@ -145,7 +173,9 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         finally:
             reader.cancel()
 
-    def _launch(self, request: pb.StepRequest, loop: asyncio.AbstractEventLoop, answer: asyncio.Future, received: float) -> None:
+    def _launch(
+        self, request: pb.StepRequest, loop: asyncio.AbstractEventLoop, answer: asyncio.Future, received: float
+    ) -> None:
         """On the launch thread."""
         try:
             phase_times.add("model.queued", received)
@@ -159,7 +189,9 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         except BaseException as exc:  # noqa: BLE001 - raised in the handler (the interceptor maps it)
             _settle(loop, answer, None, exc)
 
-    def _read_back(self, launched: Any, columnar: bool, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
+    def _read_back(
+        self, launched: Any, columnar: bool, loop: asyncio.AbstractEventLoop, answer: asyncio.Future
+    ) -> None:
         """On the readback thread."""
         try:
             t = phase_times.start()
@@ -201,8 +233,9 @@ async def serve(config: ModelSection, max_num_seqs: int = 256, token: str | None
     service = ModelService(config, max_num_seqs)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
     servicer = ModelServicer(service, executor)
-    running = await start_server(config.address, [(pb_grpc.add_ModelServiceServicer_to_server, servicer, SERVICE_NAME)],
-                                 auth_token=token)
+    running = await start_server(
+        config.address, [(pb_grpc.add_ModelServiceServicer_to_server, servicer, SERVICE_NAME)], auth_token=token
+    )
     stop = stop_event()
     load = asyncio.get_running_loop().run_in_executor(executor, service.load)
     stopped = asyncio.ensure_future(stop.wait())
@@ -212,9 +245,15 @@ async def serve(config: ModelSection, max_num_seqs: int = 256, token: str | None
         freeze_heap()  # the model and torch: out of the collector's sight, so no full collection stalls a step
         phase_times.configure("model", "model.wait")
         await running.set_serving(True)
-        logger.info("model service epoch %s: %d device / %d host blocks", service.epoch,
-                    service.runner.num_device_blocks, service.runner.num_host_blocks)
-        announce(f"model service ready: gRPC {running.address} ({service.runner.config.architecture}, {service.runner.device})")
+        logger.info(
+            "model service epoch %s: %d device / %d host blocks",
+            service.epoch,
+            service.runner.num_device_blocks,
+            service.runner.num_host_blocks,
+        )
+        announce(
+            f"model service ready: gRPC {running.address} ({service.runner.config.architecture}, {service.runner.device})"
+        )
         await stopped
     await running.set_serving(False)
     await running.server.stop(grace=5)

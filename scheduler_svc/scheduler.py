@@ -86,7 +86,9 @@ class Scheduler:
     def add(self, request: Request) -> None:
         needed = self.kv.num_blocks_for(request.num_prompt_tokens + 1)
         if needed > self.kv.device.num_blocks:
-            raise ValueError(f"prompt of {request.num_prompt_tokens} tokens needs {needed} blocks; the device pool has {self.kv.device.num_blocks}")
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens needs {needed} blocks; the device pool has {self.kv.device.num_blocks}"
+            )
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -156,16 +158,27 @@ class Scheduler:
         dropped)."""
         if self.waiting or self.swapped or not out.scheduled or out.step.swap_in:
             return
-        if any(s.num_new_tokens != 1 or not s.sample or s.request.num_pending != 1 or _needs_single_step(s.request) for s in out.scheduled):
+        if any(
+            s.num_new_tokens != 1 or not s.sample or s.request.num_pending != 1 or _needs_single_step(s.request)
+            for s in out.scheduled
+        ):
             return
         steps = self.config.num_scheduler_steps
         for s in out.scheduled:
             req = s.request
-            steps = min(steps, req.sampling.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens)
+            steps = min(
+                steps, req.sampling.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens
+            )
         if steps < 2:
             return
-        needed = sum(max(0, self.kv.num_blocks_for(s.request.num_computed_tokens + steps) - len(self.kv.block_table(s.request.request_id)))
-                     for s in out.scheduled)
+        needed = sum(
+            max(
+                0,
+                self.kv.num_blocks_for(s.request.num_computed_tokens + steps)
+                - len(self.kv.block_table(s.request.request_id)),
+            )
+            for s in out.scheduled
+        )
         if needed > self.kv.num_free_blocks():
             return
         for s in out.scheduled:
@@ -198,13 +211,21 @@ class Scheduler:
         req.sent_table = list(table)
 
     def _finishes_by_length(self, req: Request) -> bool:
-        return req.num_output_tokens + req.num_pending >= req.sampling.max_tokens or req.num_tokens + req.num_pending >= self.config.max_model_len
+        return (
+            req.num_output_tokens + req.num_pending >= req.sampling.max_tokens
+            or req.num_tokens + req.num_pending >= self.config.max_model_len
+        )
 
     def _schedule_seq(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
         tokens = req.token_ids[start : start + num_new]
         if len(tokens) < num_new:  # the token sampled by the step in flight: fed on the device
-            assert len(tokens) + 1 == num_new and req.num_pending, (req.request_id, len(tokens), num_new, req.num_pending)
+            assert len(tokens) + 1 == num_new and req.num_pending, (
+                req.request_id,
+                len(tokens),
+                num_new,
+                req.num_pending,
+            )
             tokens.append(PLACEHOLDER)
         sample = start + num_new == req.num_tokens + req.num_pending
         if sample:

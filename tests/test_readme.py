@@ -57,7 +57,11 @@ def server(tmp_path_factory):
         if not started:
             from tests.http.conftest import ServeAll
 
-            started.append(ServeAll(tmp_path_factory.mktemp("readme-server"), ["--num-gpu-blocks", "128", "--num-cpu-blocks", "16"]))
+            started.append(
+                ServeAll(
+                    tmp_path_factory.mktemp("readme-server"), ["--num-gpu-blocks", "128", "--num-cpu-blocks", "16"]
+                )
+            )
         return started[0]
 
     yield get

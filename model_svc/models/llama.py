@@ -49,7 +49,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=config.attention_bias, ops=ops
+            config.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            bias=config.attention_bias,
+            ops=ops,
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, ops=ops)
         self.qk_norm = config.qk_norm
@@ -87,7 +90,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # (N, Hq, D)
         """attend() without the o projection."""
         n = qkv.shape[0]
-        if self.cascade is not None and attn.is_decode and attn.prefix_blocks is not None and self.attn.has_cache(kv_cache):
+        if (
+            self.cascade is not None
+            and attn.is_decode
+            and attn.prefix_blocks is not None
+            and self.attn.has_cache(kv_cache)
+        ):
             o = self.cascade_attend(qkv, rope, kv_cache, attn)  # (N, Hq, D)
         elif self.fused_qk_norm_rope_store is not None and self.attn.has_cache(kv_cache):
             q = self.query_and_store(qkv, rope, kv_cache, attn.slot_mapping)  # contiguous (N, Hq, D)
@@ -102,24 +110,38 @@ class LlamaAttention(nn.Module):
         return o
 
     def query_and_store(
-        self, qkv: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache, slot_mapping: torch.Tensor,
+        self,
+        qkv: torch.Tensor,
+        rope: RotaryInputs,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (N, Hq, D), contiguous (`out` when given)
         """The qkv projection's output -> q after the per-head norm and rotary, with the rotated
         k and v written into the cache at the slots (one launch; fused Triton ops only)."""
         q, k, v = self._heads(qkv)
         k_cache, v_cache = kv_cache
-        return self.fused_qk_norm_rope_store(q, k, v, rope.positions, rope.cos_sin_cache, *self._norm_args(),
-                                             k_cache, v_cache, slot_mapping, out=out)
+        return self.fused_qk_norm_rope_store(
+            q, k, v, rope.positions, rope.cos_sin_cache, *self._norm_args(), k_cache, v_cache, slot_mapping, out=out
+        )
 
-    def cascade_attend(self, qkv: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
+    def cascade_attend(
+        self, qkv: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache, attn: AttentionMetadata
+    ) -> torch.Tensor:
         """Decode over a shared prefix: query_and_store's work and cascade attention in the
         cascade's two launches (kernels.triton_cascade.cascade_decode_attention_store)."""
         q, k, v = self._heads(qkv)
         step = self.cascade.StepKV(k, v, rope.positions, rope.cos_sin_cache, *self._norm_args(), attn.slot_mapping)
         k_cache, v_cache = kv_cache
         return self.cascade.cascade_decode_attention_store(
-            q, step, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.attn.scale, attn.prefix_blocks,
+            q,
+            step,
+            k_cache,
+            v_cache,
+            attn.block_tables,
+            attn.seq_lens,
+            self.attn.scale,
+            attn.prefix_blocks,
             attn.max_prefix_blocks,
         )
 
@@ -127,8 +149,11 @@ class LlamaAttention(nn.Module):
         """Views (N, Hq, D), (N, Hkv, D), (N, Hkv, D) of q, k and v in the qkv projection's output."""
         n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return (q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
-                v.view(n, self.num_kv_heads, self.head_dim))
+        return (
+            q.view(n, self.num_heads, self.head_dim),
+            k.view(n, self.num_kv_heads, self.head_dim),
+            v.view(n, self.num_kv_heads, self.head_dim),
+        )
 
     def _norm_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
         """(q norm weight, k norm weight, eps) for the fused kernels; (None, None, 0.0) without
@@ -137,9 +162,7 @@ class LlamaAttention(nn.Module):
             return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         return None, None, 0.0
 
-    def _norm_rope(
-        self, q: torch.Tensor, k: torch.Tensor, rope: RotaryInputs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, rope: RotaryInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """q/k (views into the qkv output) -> per-head norm (Qwen3), then rotary."""
         if self.fused_qk_norm_rope is not None:
             return self.fused_qk_norm_rope(q, k, rope.positions, rope.cos_sin_cache, *self._norm_args())
@@ -224,8 +247,13 @@ class LlamaDecoderLayer(nn.Module):
     # The layer in two halves around its attention (model_svc.prefill_graphs replays each half
     # from a CUDA graph): together they are forward() on the fused Triton path with a cache.
     def before_attention(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryInputs, kv_cache: KVCache,
-        slot_mapping: torch.Tensor, q_out: torch.Tensor | None = None,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RotaryInputs,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+        q_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (q (N, Hq, D), residual (N, hidden))
         x, residual = self.input_layernorm(x, residual)
         attn = self.self_attn
@@ -302,11 +330,17 @@ class LlamaModel(nn.Module):
         layer = self.layers[0]
         if self.norms_folded:
             return True
-        if not force and (self.gemv_ops is None or layer.mlp.gate_up_proj.bias is not None
-                          or layer.input_layernorm.weight.dtype not in (torch.bfloat16, torch.float16)):
+        if not force and (
+            self.gemv_ops is None
+            or layer.mlp.gate_up_proj.bias is not None
+            or layer.input_layernorm.weight.dtype not in (torch.bfloat16, torch.float16)
+        ):
             return False
         for layer in self.layers:
-            for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj), (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+            for norm, proj in (
+                (layer.input_layernorm, layer.self_attn.qkv_proj),
+                (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
+            ):
                 proj.weight.copy_(proj.weight.float() * norm.weight.float()[None, :])
                 norm.weight.fill_(1.0)
         self.norms_folded = True

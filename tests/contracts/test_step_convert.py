@@ -39,20 +39,34 @@ def _prefill(i: int, first: bool = True) -> SeqStep:
     return s
 
 
-DECODE_ONLY = [_decode(0, 17), _decode(1), _decode(2, 3, [9]), _decode(3, table=[]), _decode(4, 0, [1, 2, 3], sample=False)]
+DECODE_ONLY = [
+    _decode(0, 17),
+    _decode(1),
+    _decode(2, 3, [9]),
+    _decode(3, table=[]),
+    _decode(4, 0, [1, 2, 3], sample=False),
+]
 
 
 @pytest.mark.parametrize("columnar", [False, True])
-@pytest.mark.parametrize("seqs", [
-    [],
-    DECODE_ONLY,
-    [_prefill(0), _prefill(1, first=False)],  # no decode row: messages only
-    [_prefill(0), *DECODE_ONLY[:2], _prefill(1, first=False), *DECODE_ONLY[2:], _prefill(2)],  # mixed, order kept
-    [*DECODE_ONLY, _prefill(0)],
-    [SeqStep("first-decode", [PLACEHOLDER], 9, True, sampling=SamplingParams(), prompt_token_ids=[1])],  # params: a message
-], ids=["empty", "decode", "prefill", "mixed", "decode-then-prefill", "decode-with-params"])
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [],
+        DECODE_ONLY,
+        [_prefill(0), _prefill(1, first=False)],  # no decode row: messages only
+        [_prefill(0), *DECODE_ONLY[:2], _prefill(1, first=False), *DECODE_ONLY[2:], _prefill(2)],  # mixed, order kept
+        [*DECODE_ONLY, _prefill(0)],
+        [
+            SeqStep("first-decode", [PLACEHOLDER], 9, True, sampling=SamplingParams(), prompt_token_ids=[1])
+        ],  # params: a message
+    ],
+    ids=["empty", "decode", "prefill", "mixed", "decode-then-prefill", "decode-with-params"],
+)
 def test_step_round_trip(seqs, columnar):
-    inp = StepInput(list(seqs), swap_out=[(1, 2)], swap_in=[(3, 4), (5, 6)], copies=[(7, 8)], finished=["gone"], num_steps=1)
+    inp = StepInput(
+        list(seqs), swap_out=[(1, 2)], swap_in=[(3, 4), (5, 6)], copies=[(7, 8)], finished=["gone"], num_steps=1
+    )
     m, back = _wire_step(inp, columnar)
     assert back == inp
     plain = sum(s.sampling is None and len(s.token_ids) == 1 for s in seqs)
@@ -97,12 +111,16 @@ MULTI_STEP = SampledToken("ms", 8, None, None, [9, 10])
 
 
 @pytest.mark.parametrize("columnar", [False, True])
-@pytest.mark.parametrize("sampled", [
-    [],
-    PLAIN,
-    [WITH_LOGPROBS, MULTI_STEP],
-    [PLAIN[0], WITH_LOGPROBS, *PLAIN[1:3], MULTI_STEP, PLAIN[3]],
-], ids=["empty", "plain", "logprobs", "mixed"])
+@pytest.mark.parametrize(
+    "sampled",
+    [
+        [],
+        PLAIN,
+        [WITH_LOGPROBS, MULTI_STEP],
+        [PLAIN[0], WITH_LOGPROBS, *PLAIN[1:3], MULTI_STEP, PLAIN[3]],
+    ],
+    ids=["empty", "plain", "logprobs", "mixed"],
+)
 def test_output_round_trip(sampled, columnar):
     out = StepOutput(list(sampled))
     m, back = _wire_output(out, columnar)
@@ -115,7 +133,9 @@ def test_output_round_trip(sampled, columnar):
 def test_plain_output_is_columnar_only():
     m, _ = _wire_output(StepOutput(list(PLAIN)), columnar=True)
     assert not m.sampled and not m.sampled_at
-    assert list(m.sampled_seq_ids) == [t.seq_id for t in PLAIN] and list(m.sampled_token_ids) == [t.token_id for t in PLAIN]
+    assert list(m.sampled_seq_ids) == [t.seq_id for t in PLAIN] and list(m.sampled_token_ids) == [
+        t.token_id for t in PLAIN
+    ]
 
 
 def test_the_model_service_advertises_the_columnar_step():

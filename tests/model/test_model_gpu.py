@@ -25,8 +25,14 @@ def _ops(name: str):
 @torch.no_grad()
 def _paged_logits(model, config, seqs: list[list[int]], chunk: int) -> list[torch.Tensor]:
     """Prefill every sequence in chunks of `chunk` tokens (all sequences per step)."""
-    sim = PagedSim(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-                   num_blocks=256, dtype=next(model.parameters()).dtype, device="cuda")
+    sim = PagedSim(
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.head_dim,
+        num_blocks=256,
+        dtype=next(model.parameters()).dtype,
+        device="cuda",
+    )
     outs: list[list[torch.Tensor]] = [[] for _ in seqs]
     for start in range(0, max(map(len, seqs)), chunk):
         step = [(i, s[start : start + chunk]) for i, s in enumerate(seqs) if start < len(s)]

@@ -76,7 +76,9 @@ class ServerThread:
 def kv_server():
     service = KVCacheService(MemoryStore())
     service.load()
-    server = ServerThread([(kvcache_pb2_grpc.add_KVCacheServiceServicer_to_server, KVCacheServicer(service), KV_SERVICE_NAME)])
+    server = ServerThread(
+        [(kvcache_pb2_grpc.add_KVCacheServiceServicer_to_server, KVCacheServicer(service), KV_SERVICE_NAME)]
+    )
     yield server.address, service
     server.stop()
 
@@ -200,7 +202,9 @@ class FakeRunner:
                 if runner.fail_result is not None:
                     raise runner.fail_result
                 runner.read.append(ids)
-                return StepOutput([SampledToken(s.seq_id, 100 + s.start_pos + len(s.token_ids)) for s in inp.seqs if s.sample])
+                return StepOutput(
+                    [SampledToken(s.seq_id, 100 + s.start_pos + len(s.token_ids)) for s in inp.seqs if s.sample]
+                )
 
         return Launched()
 

@@ -58,7 +58,9 @@ def drive(kv, steps: int, seed: int, preemption_mode: str, after_commit=None, co
     log, reqs, n = [], {}, 0
     for step in range(steps):
         if rng.random() < 0.4 and len(reqs) < 12:
-            prompt = (prefix if rng.random() < 0.5 else []) + [rng.randrange(100) for _ in range(rng.randrange(1, 3 * BS))]
+            prompt = (prefix if rng.random() < 0.5 else []) + [
+                rng.randrange(100) for _ in range(rng.randrange(1, 3 * BS))
+            ]
             req = Request(f"r{n}", prompt, SamplingParams(max_tokens=rng.randrange(1, 20)))
             n += 1
             sched.add(req)
