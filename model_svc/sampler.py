@@ -166,7 +166,6 @@ class SamplerOutput:
     token_ids: torch.Tensor  # (B,) int64
     # Logprobs of the raw model logits (vLLM's default), only when some row asked:
     logprobs: torch.Tensor | None = None  # (B,) fp32: the sampled token's logprob
-    ranks: torch.Tensor | None = None  # (B,) int64: 1 + number of tokens more likely
     top_token_ids: torch.Tensor | None = None  # (B, max_n) int64; row b uses its first n_b
     top_logprobs: torch.Tensor | None = None  # (B, max_n) fp32, descending
 
@@ -305,5 +304,4 @@ class Sampler:
     def _add_logprobs(out: SamplerOutput, logprobs: torch.Tensor, max_n: int) -> None:
         sampled = logprobs.gather(1, out.token_ids.unsqueeze(1))  # (B, 1)
         out.logprobs = sampled.squeeze(1)
-        out.ranks = (logprobs > sampled).sum(dim=-1) + 1
         out.top_logprobs, out.top_token_ids = logprobs.topk(min(max_n, logprobs.shape[-1]), dim=-1)
