@@ -60,7 +60,6 @@ class RemoteModelInfo:
     device: str
     dtype: str
     config: RemoteModelConfig
-    columnar_step: bool = False  # the service reads the columnar step encoding (plain decode rows as lists)
 
 
 def info_from_pb(m: pb.GetInfoResponse) -> RemoteModelInfo:
@@ -80,7 +79,6 @@ def info_from_pb(m: pb.GetInfoResponse) -> RemoteModelInfo:
         m.device,
         m.dtype,
         config,
-        m.columnar_step,
     )
 
 
@@ -146,7 +144,7 @@ class RemoteModel:
     def step(self, inp: StepInput, timeout: float | None = None) -> StepOutput:
         info = self._info
         t = phase_times.start()
-        request = step_convert.step_to_pb(inp, info.epoch, info.columnar_step)
+        request = step_convert.step_to_pb(inp, info.epoch)
         phase_times.add("client.encode", t)
         start = time.monotonic()
         t = self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
@@ -164,7 +162,7 @@ class RemoteModel:
     def launch(self, inp: StepInput, timeout: float | None = None) -> "StreamedStep":
         """Send the step over the service's step stream without waiting (the pipelined
         scheduler keeps the next steps queued there); `.result()` waits for its answer."""
-        request = step_convert.step_to_pb(inp, self._info.epoch, self._info.columnar_step)
+        request = step_convert.step_to_pb(inp, self._info.epoch)
         if self._stream is None or self._stream.broken is not None:
             self._stream = _StepStream(self)
         return StreamedStep(self, self._stream, self._stream.send(request), timeout)

@@ -123,7 +123,6 @@ def info_to_pb(i: ModelInfo) -> pb.GetInfoResponse:
         num_host_blocks=i.num_host_blocks,
         device=i.device,
         dtype=i.dtype,
-        columnar_step=True,
     )
 
 
@@ -185,20 +184,18 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             t = phase_times.start()
             launched = self.service.launch(request.expected_epoch, inp)
             phase_times.add("model.launch", t)
-            self.readback.submit(self._read_back, launched, request.columnar_answer, loop, answer)
+            self.readback.submit(self._read_back, launched, loop, answer)
         except BaseException as exc:  # noqa: BLE001 - raised in the handler (the interceptor maps it)
             _settle(loop, answer, None, exc)
 
-    def _read_back(
-        self, launched: Any, columnar: bool, loop: asyncio.AbstractEventLoop, answer: asyncio.Future
-    ) -> None:
+    def _read_back(self, launched: Any, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
         """On the readback thread."""
         try:
             t = phase_times.start()
             out = launched.result()
             phase_times.add("model.wait", t)
             t = phase_times.start()
-            resp = step_convert.output_to_pb(out, self.service.epoch, columnar)
+            resp = step_convert.output_to_pb(out, self.service.epoch)
             phase_times.add("model.encode", t)
         except BaseException as exc:  # noqa: BLE001
             _settle(loop, answer, None, exc)
