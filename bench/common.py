@@ -214,9 +214,7 @@ def make_llm(
         block_size=block_size,
         num_device_blocks=num_gpu_blocks,
         enforce_eager=enforce_eager,
-        small_batch_pdl=small_batch_pdl(
-            engine_kwargs.get("async_scheduling"), engine_kwargs.get("num_scheduler_steps", 1)
-        ),
+        small_batch_pdl=small_batch_pdl(engine_kwargs.get("async_scheduling")),
         max_num_seqs=engine_kwargs.get("max_num_seqs", 256),
         max_num_batched_tokens=engine_kwargs.get("max_num_batched_tokens", 8192),
         num_host_blocks=engine_kwargs.pop("num_cpu_blocks", 0),

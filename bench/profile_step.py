@@ -33,7 +33,6 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--num-scheduler-steps", type=int, default=1)
     ap.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,

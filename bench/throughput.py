@@ -74,7 +74,6 @@ def run_embedded(args):
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        num_scheduler_steps=args.num_scheduler_steps,
         async_scheduling=args.overlap,
     )
 
@@ -107,7 +106,6 @@ def run_service(args, runner_config_path: str, model=None):
     config = services.config(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        num_scheduler_steps=args.num_scheduler_steps,
         async_scheduling=args.service_pipelined,
     )
     return LLM.from_engine(build_service_engine(config, skip_tokenizer_init=True, token=services.token)), services
@@ -246,7 +244,6 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens in one step at most")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
     ap.add_argument(
         "--pipeline-depth",
         type=int,
@@ -394,7 +391,7 @@ def main() -> None:
         "",
         f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s, "
         f"device blocks {num_device_blocks}, kernels {runner.ops.name}, cuda graphs {graphs}, "
-        f"scheduler steps {args.num_scheduler_steps}, overlapped scheduling {overlapped} (pipeline depth {llm_depth})",
+        f"overlapped scheduling {overlapped} (pipeline depth {llm_depth})",
     ]
     if phase_rows:
         lines += [

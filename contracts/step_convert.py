@@ -143,34 +143,24 @@ def step_from_pb(m: pb.StepRequest) -> StepInput:
     if m.decode_seq_ids:
         seqs = _merge(_decode_rows_from_pb(m), seqs, m.seqs_at)
     return StepInput(
-        seqs,
-        _copies_from_pb(m.swap_out),
-        _copies_from_pb(m.swap_in),
-        _copies_from_pb(m.copies),
-        list(m.finished),
-        max(1, m.num_steps),
+        seqs, _copies_from_pb(m.swap_out), _copies_from_pb(m.swap_in), _copies_from_pb(m.copies), list(m.finished)
     )
 
 
 def output_to_pb(out: StepOutput, epoch: str) -> pb.StepResponse:
-    """Plain tokens as two parallel lists, the others (logprobs, multi-step tokens) as
-    SampledToken messages."""
+    """Plain tokens as two parallel lists, the others (with logprobs) as SampledToken messages."""
     resp = pb.StepResponse(epoch=epoch)
-    plain, sampled, at = _split(
-        out.sampled, [t.logprob is None and not t.extra_token_ids and not t.top_logprobs for t in out.sampled]
-    )
+    plain, sampled, at = _split(out.sampled, [t.logprob is None and not t.top_logprobs for t in out.sampled])
     if plain:
         resp.sampled_at.extend(at)
         resp.sampled_seq_ids.extend([t.seq_id for t in plain])
         resp.sampled_token_ids.extend([t.token_id for t in plain])
     add = resp.sampled.add
-    for t in sampled:  # filled in place, optional parts only when present (most steps: one greedy token each)
+    for t in sampled:  # filled in place: building each message and copying it in costs twice as much
         m = add()
         m.seq_id, m.token_id = t.seq_id, t.token_id
         if t.logprob is not None:
             m.logprob = t.logprob
-        if t.extra_token_ids:
-            m.extra_token_ids.extend(t.extra_token_ids)
         if t.top_logprobs:
             m.top_logprobs.extend(pb.TokenLogprob(token_id=i, logprob=lp) for i, lp in t.top_logprobs)
     return resp
@@ -179,12 +169,9 @@ def output_to_pb(out: StepOutput, epoch: str) -> pb.StepResponse:
 def output_from_pb(m: pb.StepResponse) -> StepOutput:
     sampled = []
     for t in m.sampled:
-        if not t.HasField("logprob") and not t.extra_token_ids:  # the common case: skip the optional parts
-            sampled.append(SampledToken(t.seq_id, t.token_id))
-            continue
         logprob = t.logprob if t.HasField("logprob") else None
         top = [(x.token_id, x.logprob) for x in t.top_logprobs] if logprob is not None else None
-        sampled.append(SampledToken(t.seq_id, t.token_id, logprob, top, list(t.extra_token_ids)))
+        sampled.append(SampledToken(t.seq_id, t.token_id, logprob, top))
     if m.sampled_seq_ids:
         sampled = _merge(list(map(SampledToken, m.sampled_seq_ids, m.sampled_token_ids)), sampled, m.sampled_at)
     return StepOutput(sampled)

@@ -291,8 +291,8 @@ class DecodeGraphs:
         )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Copy a prepared batch's device inputs into the buffers, then replay (multi-step
-        decode, and batches the runner did not write into `host`)."""
+        """Copy a prepared batch's device inputs into the buffers, then replay (batches the
+        runner did not write into `host`)."""
         batch = input_ids.shape[0]
         bucket = self.bucket(batch)
         width = meta.block_tables.shape[1]

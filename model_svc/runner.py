@@ -257,17 +257,15 @@ class ModelRunner:
         states = [self.seqs[s.seq_id] for s in seqs]
         rows = [st.row for st in states]
         tables = self.block_tables.rows(rows, max(st.num_blocks for st in states))  # the step's block tables
-        replay = self._graph_decode(seqs, states, rows, tables) if inp.num_steps == 1 else None
+        replay = self._graph_decode(seqs, states, rows, tables)
         if replay is not None:
             phase_times.add("runner.graph_decode", t)
             if replay.token_ids is not None:  # sampled and recorded in the graphs
-                return LaunchedStep(self.seqs, self._state_lock, seqs, replay.token_ids[:, None])
+                return LaunchedStep(self.seqs, self._state_lock, seqs, replay.token_ids)
             hidden = replay.hidden
         else:
             input_ids, positions, meta, sample_rows = self._prepare(seqs, rows, tables)
             phase_times.add("runner.prepare", t)
-            if inp.num_steps > 1:
-                return self._multi_step(inp.num_steps, seqs, input_ids, positions, meta)
             t = phase_times.start()
             hidden = self._forward(input_ids, positions, meta)
             phase_times.add("runner.forward", t)
@@ -288,7 +286,7 @@ class ModelRunner:
         self._remember_sampled(table_rows, result.token_ids)
         phase_times.add("runner.sample", t)
         t = phase_times.start()
-        launched = LaunchedStep(self.seqs, self._state_lock, seqs, result.token_ids[:, None], result)
+        launched = LaunchedStep(self.seqs, self._state_lock, seqs, result.token_ids, result)
         phase_times.add("runner.readback_queued", t)
         return launched
 
@@ -380,41 +378,6 @@ class ModelRunner:
         if self.prefill_graphs is not None and not meta.is_decode and self.prefill_graphs.bucket(input_ids.shape[0]):
             return self.prefill_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.pools.layer_caches, meta)
-
-    def _multi_step(
-        self,
-        num_steps: int,
-        seqs: list[SeqStep],
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> LaunchedStep:
-        """num_steps decode steps back to back: each feeds the tokens the previous one sampled,
-        with positions, slots and lengths advanced on the device; one host sync at the end.
-        The scheduler has reserved the blocks of every sub-step."""
-        if not meta.is_decode or not all(s.sample for s in seqs):
-            raise ValueError("multi-step runs only decode-only batches that sample every sequence")
-        batch = self._sampling_batch([self.seqs[s.seq_id] for s in seqs])  # no penalties here (single-step rows)
-        bs = self.block_size
-        sampled = []
-        for k in range(num_steps):
-            hidden = self._forward(input_ids, positions, meta)
-            input_ids = self.sampler(self.model.compute_logits(hidden), batch).token_ids  # (B,)
-            sampled.append(input_ids)
-            if k + 1 < num_steps:
-                positions = positions + 1
-                block = meta.block_tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1).long()
-                meta = AttentionMetadata(
-                    slot_mapping=block * bs + positions % bs,
-                    block_tables=meta.block_tables,
-                    seq_lens=meta.seq_lens + 1,
-                    cu_seqlens_q=meta.cu_seqlens_q,
-                    is_decode=True,
-                    prefix_blocks=meta.prefix_blocks,
-                    max_prefix_blocks=meta.max_prefix_blocks,
-                )
-        self._remember_sampled(self._rows, input_ids)
-        return LaunchedStep(self.seqs, self._state_lock, seqs, torch.stack(sampled, dim=1))  # (B, num_steps)
 
     def _update_seq(self, s: SeqStep) -> None:
         state = self.seqs.get(s.seq_id)

@@ -80,7 +80,6 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (default: on)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (default: off, graphs on cuda)")
-    g.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
     g.add_argument(
         "--torch-threads",
         type=int,
@@ -105,7 +104,6 @@ def engine_config_from_args(args: argparse.Namespace):
             device=args.device,
             dtype=args.dtype,
             enforce_eager=args.enforce_eager,
-            num_scheduler_steps=args.num_scheduler_steps,
             torch_threads=args.torch_threads,
         )
     except (ValueError, FileNotFoundError) as exc:

@@ -70,7 +70,6 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         str,
         "swap | recompute: what a preempted request does with its KV blocks",
     ),
-    "--num-scheduler-steps": ("scheduler", "num_scheduler_steps", int, "decode steps per schedule (multi-step)"),
     "--drain-timeout": (
         "scheduler",
         "drain_timeout_s",

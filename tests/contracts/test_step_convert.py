@@ -63,9 +63,7 @@ DECODE_ONLY = [
     ids=["empty", "decode", "prefill", "mixed", "decode-then-prefill", "decode-with-params"],
 )
 def test_step_round_trip(seqs):
-    inp = StepInput(
-        list(seqs), swap_out=[(1, 2)], swap_in=[(3, 4), (5, 6)], copies=[(7, 8)], finished=["gone"], num_steps=1
-    )
+    inp = StepInput(list(seqs), swap_out=[(1, 2)], swap_in=[(3, 4), (5, 6)], copies=[(7, 8)], finished=["gone"])
     m, back = _wire_step(inp)
     assert back == inp
     plain = sum(s.sampling is None and len(s.token_ids) == 1 for s in seqs)
@@ -95,7 +93,7 @@ def test_messages_keep_their_place_among_the_decode_rows():
 
 PLAIN = [SampledToken(f"seq-{i}", 100 + i) for i in range(4)]
 WITH_LOGPROBS = SampledToken("lp", 7, -0.25, [(7, -0.25), (9, -1.5)])
-MULTI_STEP = SampledToken("ms", 8, None, None, [9, 10])
+GREEDY_LOGPROB = SampledToken("g", 8, -0.5, [])  # logprobs=0: no alternatives, still a message
 
 
 @pytest.mark.parametrize(
@@ -103,8 +101,8 @@ MULTI_STEP = SampledToken("ms", 8, None, None, [9, 10])
     [
         [],
         PLAIN,
-        [WITH_LOGPROBS, MULTI_STEP],
-        [PLAIN[0], WITH_LOGPROBS, *PLAIN[1:3], MULTI_STEP, PLAIN[3]],
+        [WITH_LOGPROBS, GREEDY_LOGPROB],
+        [PLAIN[0], WITH_LOGPROBS, *PLAIN[1:3], GREEDY_LOGPROB, PLAIN[3]],
     ],
     ids=["empty", "plain", "logprobs", "mixed"],
 )
@@ -112,9 +110,9 @@ def test_output_round_trip(sampled):
     out = StepOutput(list(sampled))
     m, back = _wire_output(out)
     assert back == out
-    plain = sum(t.logprob is None and not t.extra_token_ids for t in sampled)
+    plain = sum(t.logprob is None for t in sampled)
     assert len(m.sampled_seq_ids) == plain
-    assert len(m.sampled) == len(sampled) - len(m.sampled_seq_ids)  # logprobs and sub-step tokens fall back
+    assert len(m.sampled) == len(sampled) - len(m.sampled_seq_ids)  # tokens with logprobs travel as messages
 
 
 def test_plain_output_is_columnar_only():
@@ -123,4 +121,3 @@ def test_plain_output_is_columnar_only():
     assert list(m.sampled_seq_ids) == [t.seq_id for t in PLAIN] and list(m.sampled_token_ids) == [
         t.token_id for t in PLAIN
     ]
-

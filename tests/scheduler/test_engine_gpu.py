@@ -16,7 +16,7 @@ def test_triton_path_equals_reference_path_fp32():
     ref = json.loads((Path(BUNDLED_MODEL) / "reference_greedy.json").read_text())
     prompts = [r["prompt"] for r in ref["results"]] * 4
     params = SamplingParams(temperature=0, max_tokens=64)
-    fast = LLM(device="cuda", dtype="float32", num_gpu_blocks=512, max_num_batched_tokens=64, num_scheduler_steps=8)
+    fast = LLM(device="cuda", dtype="float32", num_gpu_blocks=512, max_num_batched_tokens=64)
     slow = LLM(
         device="cuda",
         dtype="float32",

@@ -129,8 +129,8 @@ def test_tiny_models_one_batch(tiny):
 
 def test_tiny_models_chunked_prefill(tiny):
     path, prompts, ref = tiny
-    # Prompts split across steps; decode-only phases run 4 steps per schedule.
-    llm = LLM(path, num_gpu_blocks=512, max_num_batched_tokens=40, num_scheduler_steps=4)
+    # Prompts split across steps.
+    llm = LLM(path, num_gpu_blocks=512, max_num_batched_tokens=40)
     outs = llm.generate(prompts, GREEDY)
     assert_matches_hf([o.token_ids for o in outs], ref)
     assert_clean(llm)

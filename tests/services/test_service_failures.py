@@ -19,10 +19,11 @@ LONG = dict(temperature=0.0, max_tokens=200, ignore_eos=True)
 STREAM_PROMPTS = [f"Once upon a time {i}" for i in range(6)] + ["Lily and Tom went to the park."] * 2
 
 
-@pytest.fixture(scope="module", params=["multi-step", "pipelined"])
+@pytest.fixture(scope="module", params=["unary", "pipelined"])
 def stack(request, tmp_path_factory, redis_server):
-    # Multi-step decoding, or the pipelined step (embedded runs neither): the tokens must not change.
-    args = ["--num-scheduler-steps", "4"] if request.param == "multi-step" else ["--async-scheduling"]
+    # One unary Step call per step, or the pipelined step stream (embedded runs neither here):
+    # the tokens must not change.
+    args = ["--async-scheduling"] if request.param == "pipelined" else []
     s = Stack(
         tmp_path_factory.mktemp("svc-redis"),
         redis_url=redis_server.url,
