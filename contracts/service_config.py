@@ -49,6 +49,12 @@ def _check_address(name: str, value: str) -> None:
         raise ValueError(f"{name} must be host:port, got {value!r}")
 
 
+def check_preemption_mode(name: str, value: str) -> None:
+    """The one check of a preemption mode, for the service config and the embedded engine's."""
+    if value not in ("swap", "recompute"):
+        raise ValueError(f"{name} must be 'swap' or 'recompute', got {value!r}")
+
+
 def _positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -116,8 +122,7 @@ class SchedulerSection:
                 raise ValueError(f"scheduler.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"scheduler.metrics_port must be a port number, got {self.metrics_port!r}")
-        if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"scheduler.preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+        check_preemption_mode("scheduler.preemption_mode", self.preemption_mode)
         if self.drain_timeout_s < 0:
             raise ValueError(f"scheduler.drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
 

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.service_config import BUNDLED_MODEL
+from contracts.service_config import BUNDLED_MODEL, check_preemption_mode
 
 
 # Hugging Face's repo id forms, "name" or "namespace/name"; anything else is a path.
@@ -84,8 +84,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
-        if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+        check_preemption_mode("preemption_mode", self.preemption_mode)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_scheduler_steps != 1:

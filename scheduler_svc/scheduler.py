@@ -24,6 +24,8 @@ from scheduler_svc.request import Request, RequestStatus
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
+    """The scheduler's limits, taken from an EngineConfig, which has validated them."""
+
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     preemption_mode: str = "swap"  # "swap" | "recompute"
@@ -32,14 +34,6 @@ class SchedulerConfig:
     # lands) still passes it positionally. Delete it with that argument.
     num_scheduler_steps: int = 1
     max_model_len: int = 1 << 30
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
 
 
 @dataclass(slots=True)
