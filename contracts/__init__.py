@@ -9,7 +9,7 @@ and no torch, so the scheduler process stays torch-free.
     tokenizer        load_tokenizer: a model directory's tokenizer, without torch
     errors           domain errors and the interceptor that maps them to gRPC status codes
     rpc              the gRPC servers' start-up, signals, and the internal clients' retry loop
-    health           grpc.health.v1: check_health, and the protocol without its package
+    health           grpc.health.v1 from the client side: check_health, check
     auth             secrets (from the environment or files) and the internal-token check
     service_config   the YAML config, one section per service
     phase_times      wall time per phase of a step, for benchmarks

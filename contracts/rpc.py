@@ -1,10 +1,7 @@
 """What the three gRPC servers share: an aio server with the error interceptor, grpc.health.v1
 health (NOT_SERVING until the service says it is ready), server reflection, stop signals,
 the one-line messages of start-up (a port that is taken, a service that is ready), and the
-channel options and retry loop of the internal clients.
-
-grpcio-health-checking and grpcio-reflection are used when installed; without them health
-falls back to contracts.health (same protocol) and reflection is off, with a warning."""
+channel options and retry loop of the internal clients."""
 
 from __future__ import annotations
 
@@ -23,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
-from contracts import health as health_fallback
 from contracts.auth import TokenAuthInterceptor
 from contracts.errors import ErrorInterceptor, Unauthenticated, error_from_rpc
 
@@ -114,36 +112,25 @@ def announce(line: str) -> None:
 @dataclass(slots=True)
 class RunningServer:
     server: grpc.aio.Server
-    health: Any  # grpc_health's aio HealthServicer, or the fallback (same `set`)
+    health: health.aio.HealthServicer
     service_names: tuple[str, ...]
     port: int
     address: str  # where it listens, with the port it got (for "host:0")
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_fallback.SERVING if serving else health_fallback.NOT_SERVING  # the proto's enum numbers
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("",) + self.service_names:
             await self.health.set(name, status)
 
 
-def _add_health(server: grpc.aio.Server) -> Any:
-    try:
-        from grpc_health.v1 import health, health_pb2_grpc
-    except ImportError:  # grpcio-health-checking not installed: same protocol, our servicer
-        servicer = health_fallback.FallbackHealthServicer()
-        servicer.add_to_server(server)
-        return servicer
+def _add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     return servicer
 
 
 def _add_reflection(server: grpc.aio.Server, names: tuple[str, ...]) -> None:
-    try:
-        from grpc_reflection.v1alpha import reflection
-    except ImportError:
-        logger.warning("server reflection is off: grpcio-reflection is not installed")
-        return
-    reflection.enable_server_reflection(names + (health_fallback.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
 
 async def start_server(
