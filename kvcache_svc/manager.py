@@ -26,9 +26,6 @@ class NoFreeBlocks:
     available: int
     tier: Tier = Tier.DEVICE
 
-    def __bool__(self) -> bool:  # lets callers write `if not result:`
-        return False
-
 
 @dataclass(slots=True)
 class PrefixHit:
