@@ -15,7 +15,6 @@ from contracts.errors import FailedPrecondition, Unavailable
 from kvcache_svc import convert
 from kvcache_svc.manager import KVCacheManager
 from kvcache_svc.ops import (
-    AppendSlotsOp,
     Op,
     OpResult,
     PoolConfig,
@@ -97,24 +96,19 @@ class KVCacheService:
             raise StepOutOfOrder(f"step {step} does not follow the last applied step {self.step}")
         if self.manager is None and not (ops and isinstance(ops[0], ResetOp)):
             raise FailedPrecondition("the KV-cache service has no pools yet: reset first")
-        full_write, dirty_seqs = False, set()
+        full_write = False
         try:
             results = []
             for op in ops:
-                if type(op) is AppendSlotsOp:  # one per running sequence per step: dispatched inline
-                    dirty_seqs.add(op.seq_id)
-                    results.append(self.manager.append_slots(op.seq_id, op.num_computed_tokens, op.num_new_tokens))
-                    continue
                 if isinstance(op, ResetOp):
                     self.config, self.manager, full_write = op.config, new_manager(op.config, tracked=True), True
                     results.append(None)
-                    continue
-                dirty_seqs.update(seq_ids_of(op))
-                results.append(apply_op(self.manager, op))
+                else:
+                    results.append(apply_op(self.manager, op))
         except Exception as exc:  # noqa: BLE001 - out of step with the scheduler
             self._drop_state(f"step {step} does not apply: {exc!r}")
             raise FailedPrecondition(f"step {step} does not apply to the KV state ({exc!r}); resync") from None
-        response = self._persist(step, results, full_write, dirty_seqs)
+        response = self._persist(step, ops, results, full_write)
         self.step, self.last_results, self.last_response = step, results, response
         return results
 
@@ -125,16 +119,15 @@ class KVCacheService:
             return self.last_response
         return convert.step_response(step, results)
 
-    def _persist(
-        self, step: int, results: list[OpResult], full_write: bool, dirty_seqs: set[str]
-    ) -> pb.ApplyStepResponse:
+    def _persist(self, step: int, ops: list[Op], results: list[OpResult], full_write: bool) -> pb.ApplyStepResponse:
         response = convert.step_response(step, results)
         try:
             if not self.store.persistent:  # nothing is written: no serialising or exporting
                 pass
             elif full_write:
                 self.store.write_full(export_state(self.manager, self.config, step), response.SerializeToString())
-            else:
+            else:  # the sequences to rewrite, gathered only for a store that writes them
+                dirty_seqs = {seq_id for op in ops for seq_id in seq_ids_of(op)}
                 self.store.write_step(self.manager, step, dirty_seqs, response.SerializeToString())
         except Exception as exc:  # redis down or slow: do not answer what is not durable
             self._stale = True
