@@ -12,8 +12,8 @@ ApplyStep is on the wire: the caller acts on local answers the service has not c
 yet. A mismatch found for such a batch therefore resets the pools instead of adopting the
 service's state (the model may have written blocks the service holds as cached prefixes).
 
-Transports: `InProcessTransport` (a KVCacheService in this process) and `GrpcTransport`.
-Embedded mode uses KVCacheManager directly and records nothing.
+The transport is `GrpcTransport` (tests put a KVCacheService in the same process behind the
+same `KVTransport` interface). Embedded mode uses KVCacheManager directly and records nothing.
 
 Per step the client's cost grows with the batch (one AppendSlots op per running sequence),
 so the hot path avoids per-op work where it can: the gRPC transport builds the request and
@@ -317,31 +317,7 @@ def _first_diff(got: list[OpResult], want: list[OpResult]) -> str:
     return "equal"
 
 
-# ----------------------------------------------------------------- transports
-class InProcessTransport:
-    """A KVCacheService in this process; ops and results go through the proto conversion
-    as they would on the wire."""
-
-    def __init__(self, service: Any) -> None:
-        self.service = service
-
-    def apply_step(self, step: int, ops: list[Op], retry_until: float, timeout: float) -> list[OpResult]:
-        wire_ops = [convert.op_from_pb(convert.op_to_pb(op)) for op in ops]
-        results = self.service.apply_step(step, wire_ops)
-        return [convert.result_from_pb(r) for r in convert.step_response(step, results).results]
-
-    def start_apply_step(
-        self, step: int, ops: list[Op], timeout: float, expected: list[OpResult] | None = None
-    ) -> Callable[[float], list[OpResult] | None]:
-        # Applied when the answer is awaited, i.e. after the caller's model step: the order
-        # a slow wire gives, so tests see the engine act on unconfirmed answers. The results
-        # are returned for the client to compare (`expected` is not used).
-        return lambda retry_until: self.apply_step(step, ops, retry_until, timeout)
-
-    def get_state(self, retry_until: float, timeout: float) -> KVState:
-        return convert.state_from_pb(convert.state_to_pb(self.service.get_state()))
-
-
+# ----------------------------------------------------------------- transport
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVCacheService"]
 _APPLY_STEP_PATH = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['ApplyStep'].name}"
 

@@ -280,7 +280,7 @@ def test_next_step_is_launched_while_the_last_is_read_back(model_server):
 def test_pipelined_engine_sends_each_kv_batch_without_waiting():
     """Step k+1's block ops are recorded before step k's ApplyStep answer is awaited: waiting
     for k must not send them in a blocking call; they go out (overlapped) with k+1's launch."""
-    from kvcache_svc.client import InProcessTransport
+    from tests.services.inprocess_kv import InProcessTransport
 
     from .test_remote_engine import ScriptedModel, assert_clean, make_engine, run
 

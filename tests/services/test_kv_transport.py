@@ -13,13 +13,14 @@ import pytest
 from contracts.errors import FailedPrecondition, Unavailable
 from contracts.sampling_params import SamplingParams
 from kvcache_svc import KVCacheManager, Tier
-from kvcache_svc.client import InProcessTransport, KVClient, KVOutOfSync
+from kvcache_svc.client import KVClient, KVOutOfSync
 from kvcache_svc.ops import AllocateOp, FreeOp, PoolConfig
 from kvcache_svc.service import KVCacheService, StepOutOfOrder
 from kvcache_svc.state import export_state
 from kvcache_svc.store import MemoryStore, RedisStore
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from tests.services.inprocess_kv import InProcessTransport
 
 BS = 4
 CONFIG = PoolConfig(num_device_blocks=24, num_host_blocks=12, block_size=BS, enable_prefix_caching=True, epoch="e1")

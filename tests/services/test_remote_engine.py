@@ -14,13 +14,14 @@ import pytest
 from contracts.sampling_params import SamplingParams
 from contracts.service_config import BUNDLED_MODEL
 from contracts.step import SampledToken, StepInput, StepOutput
-from kvcache_svc.client import InProcessTransport, KVClient, KVUnavailable
+from kvcache_svc.client import KVClient, KVUnavailable
 from kvcache_svc.ops import AllocateOp
 from kvcache_svc.service import KVCacheService
 from kvcache_svc.store import MemoryStore
 from model_svc.client import ModelRestarted, ModelUnavailable, RemoteModelConfig, RemoteModelInfo
 from scheduler_svc.config import EngineConfig
 from scheduler_svc.remote_engine import ServiceEngine, pool_config
+from tests.services.inprocess_kv import InProcessTransport
 
 
 class FakeTokenizer:
