@@ -12,14 +12,15 @@ import asyncio
 import functools
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import grpc
 
 from contracts import phase_times, step_convert
 from contracts.errors import FailedPrecondition, Unavailable
+from contracts.model_info import ModelFacts, ModelInfo, info_to_pb
 from contracts.rpc import announce, freeze_heap, start_server, stop_event
 from contracts.service_config import ModelSection
 from contracts.step import StepInput
@@ -33,22 +34,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelService"].full_name
 
 class EpochMismatch(FailedPrecondition):
     pass
-
-
-@dataclass(slots=True)
-class ModelInfo:
-    epoch: str
-    model: str
-    family: str
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    block_size: int
-    num_device_blocks: int
-    num_host_blocks: int
-    device: str
-    dtype: str
 
 
 class ModelService:
@@ -81,19 +66,18 @@ class ModelService:
     def info(self) -> ModelInfo:
         r = self._ready()
         mc = r.config
+        facts = ModelFacts(
+            mc.family, mc.vocab_size, mc.max_position_embeddings, tuple(mc.eos_token_ids), mc.bos_token_id
+        )
         return ModelInfo(
             self.epoch,
             self.config.model,
-            mc.family,
-            mc.vocab_size,
-            mc.max_position_embeddings,
-            tuple(mc.eos_token_ids),
-            mc.bos_token_id,
             r.block_size,
             r.num_device_blocks,
             r.num_host_blocks,
             str(r.device),
             str(r.dtype),
+            facts,
         )
 
     def launch(self, expected_epoch: str, inp: StepInput) -> Any:
@@ -107,23 +91,6 @@ class ModelService:
         if self.runner is None:
             raise Unavailable("the model is still loading")
         return self.runner
-
-
-def info_to_pb(i: ModelInfo) -> pb.GetInfoResponse:
-    return pb.GetInfoResponse(
-        epoch=i.epoch,
-        model=i.model,
-        family=i.family,
-        vocab_size=i.vocab_size,
-        max_position_embeddings=i.max_position_embeddings,
-        eos_token_ids=i.eos_token_ids,
-        bos_token_id=i.bos_token_id,
-        block_size=i.block_size,
-        num_device_blocks=i.num_device_blocks,
-        num_host_blocks=i.num_host_blocks,
-        device=i.device,
-        dtype=i.dtype,
-    )
 
 
 class ModelServicer(pb_grpc.ModelServiceServicer):

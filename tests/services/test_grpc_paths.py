@@ -179,9 +179,9 @@ class FakeRunner:
     block_size, num_device_blocks, num_host_blocks, device, dtype = 4, 64, 16, "cpu", "float32"
 
     def __init__(self) -> None:
-        from model_svc.client import RemoteModelConfig
+        from contracts.model_info import ModelFacts
 
-        self.config = RemoteModelConfig("llama", 512, 512, (2,), 1)
+        self.config = ModelFacts("llama", 512, 512, (2,), 1)
         self.launched: list[list[str]] = []
         self.read: list[list[str]] = []
         self.release = threading.Event()

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from contracts.model_info import ModelFacts, ModelInfo
 from contracts.sampling_params import SamplingParams
 from contracts.service_config import BUNDLED_MODEL
 from contracts.step import SampledToken, StepInput, StepOutput
@@ -18,7 +19,7 @@ from kvcache_svc.client import KVClient, KVUnavailable
 from kvcache_svc.ops import AllocateOp
 from kvcache_svc.service import KVCacheService
 from kvcache_svc.store import MemoryStore
-from model_svc.client import ModelRestarted, ModelUnavailable, RemoteModelConfig, RemoteModelInfo
+from model_svc.client import ModelRestarted, ModelUnavailable
 from scheduler_svc.config import EngineConfig
 from scheduler_svc.remote_engine import ServiceEngine, pool_config
 from tests.services.inprocess_kv import InProcessTransport
@@ -44,8 +45,8 @@ class ScriptedModel:
         self.info = self._info()
         self.known: set[str] = set()
 
-    def _info(self) -> RemoteModelInfo:
-        return RemoteModelInfo(
+    def _info(self) -> ModelInfo:
+        return ModelInfo(
             f"e{self.epoch_n}",
             BUNDLED_MODEL,
             4,
@@ -53,7 +54,7 @@ class ScriptedModel:
             16,
             "cpu",
             "float32",
-            RemoteModelConfig("llama", 512, 512, (2,), 1),
+            ModelFacts("llama", 512, 512, (2,), 1),
         )
 
     config = property(lambda self: self.info.config)
@@ -64,7 +65,7 @@ class ScriptedModel:
         self.epoch_n += 1
         self.known.clear()
 
-    def connect(self, timeout_s: float) -> RemoteModelInfo:
+    def connect(self, timeout_s: float) -> ModelInfo:
         if self.down:
             raise ModelUnavailable("down")
         self.info = self._info()
