@@ -63,11 +63,10 @@ def model_dir_for(name_or_path: str) -> tuple[str, bool]:
 
 def build_runner(model: str, device: str, dtype: str | None, **runner_kwargs):
     """A ModelRunner for a named config (random weights) or a local directory."""
-    from model_svc.config import ModelConfig
-    from model_svc.loader import build_random_model
-    from model_svc.loader import resolve_dtype
-    from model_svc.runner import ModelRunner
     from kernels import select_ops
+    from model_svc.config import ModelConfig
+    from model_svc.loader import build_random_model, resolve_dtype
+    from model_svc.runner import ModelRunner
 
     path, random_weights = model_dir_for(model)
     dev = torch.device(device)

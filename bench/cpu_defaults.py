@@ -133,7 +133,8 @@ def locust_rps(threads: int | None, seconds: int, users: int) -> dict[str, float
                 capture_output=True,
                 env={**os.environ, "PYTHONPATH": str(REPO)},
             )
-            rows = {row["Name"]: row for row in csv.DictReader(open(f"{prefix}_stats.csv"))}
+            with open(f"{prefix}_stats.csv") as stats:
+                rows = {row["Name"]: row for row in csv.DictReader(stats)}
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=90)
@@ -159,11 +160,14 @@ def main() -> None:
     lines = [
         "# CPU defaults: bundled model (stories260k), default settings vs the old ones",
         "",
-        f"- date: {time.strftime('%Y-%m-%d')}; host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+        f"- date: {time.strftime('%Y-%m-%d')}; host: {platform.processor() or platform.machine()}, {os.cpu_count()} "
+        "CPUs; "
         f"Python {platform.python_version()}",
-        f"- command: `python bench/cpu_defaults.py --repeats {args.repeats} --seconds {args.seconds} --users {args.users}`",
+        f"- command: `python bench/cpu_defaults.py --repeats {args.repeats} --seconds {args.seconds} --users "
+        f"{args.users}`",
         "",
-        "| setting | generate, whole command (s) | generate, 40 tokens in process (s) | locust short_chat req/s | TTFT p50 (ms) | ITL p50 (ms) | failures |",
+        "| setting | generate, whole command (s) | generate, 40 tokens in process (s) | locust short_chat req/s | "
+        "TTFT p50 (ms) | ITL p50 (ms) | failures |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, threads in settings:

@@ -3,7 +3,8 @@
 `picovllm serve all`.
 
     python bench/http_vs_grpc.py --model path/to/Qwen3-0.6B --device cuda --out bench/results/http_vs_grpc_h200.md
-    python bench/http_vs_grpc.py --device cpu --num-requests 64 --concurrency 16 --max-tokens 32   # a quick look, bundled model
+    # a quick look, bundled model:
+    python bench/http_vs_grpc.py --device cpu --num-requests 64 --concurrency 16 --max-tokens 32
 
 Every request has a token-id prompt (the same ids on both paths, so no tokenization differs)
 and ignores EOS, so both paths generate the same number of tokens. Runs alternate gRPC and

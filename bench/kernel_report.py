@@ -63,15 +63,18 @@ def render(
         "",
         "Triton graph µs: the same call replayed from a CUDA graph (no host launch gaps; how the engine runs decode).",
         "",
-        "| B | L | KV GB | splits | Triton µs | TB/s | % copy | Triton graph µs | % copy (graph) | SDPA µs | SDPA/Triton | Flex µs | Flex/Triton | err SDPA | err Flex |",
+        "| B | L | KV GB | splits | Triton µs | TB/s | % copy | Triton graph µs | % copy (graph) | SDPA µs | "
+        "SDPA/Triton | Flex µs | Flex/Triton | err SDPA | err Flex |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in decode_rows:
         sdpa_ratio = r["sdpa_us"] / r["us"] if "sdpa_us" in r else None
         flex_ratio = r["flex_us"] / r["us"] if "flex_us" in r else None
         out.append(
-            f"| {r['B']} | {r['L']} | {r['kv_gb']:.2f} | {r['splits']} | {r['us']:.1f} | {r['tbs']:.2f} | {r['pct_copy']:.1f} | "
-            f"{r['graph_us']:.1f} | {r['graph_pct']:.1f} | {fmt(r.get('sdpa_us'), '.1f')} | {fmt(sdpa_ratio, '.2f')} | {fmt(r.get('flex_us'), '.1f')} | {fmt(flex_ratio, '.2f')} | "
+            f"| {r['B']} | {r['L']} | {r['kv_gb']:.2f} | {r['splits']} | {r['us']:.1f} | {r['tbs']:.2f} | "
+            f"{r['pct_copy']:.1f} | "
+            f"{r['graph_us']:.1f} | {r['graph_pct']:.1f} | {fmt(r.get('sdpa_us'), '.1f')} | {fmt(sdpa_ratio, '.2f')} "
+            f"| {fmt(r.get('flex_us'), '.1f')} | {fmt(flex_ratio, '.2f')} | "
             f"{fmt(r.get('sdpa_err'), '.1e')} | {fmt(r.get('flex_err'), '.1e')} |"
         )
     errors = [f"- B={r['B']} L={r['L']}: {r[k]}" for r in decode_rows for k in ("sdpa_error", "flex_error") if k in r]
@@ -97,7 +100,8 @@ def render(
                 out.append(f"| {r['B']} | {r['L']} | {cfg_str(r['config'])} | {r['splits']} | {r['error']} | |")
             else:
                 out.append(
-                    f"| {r['B']} | {r['L']} | {cfg_str(r['config'])} | {r['splits']} | {r['us']:.1f} | {r['pct_copy']:.1f} |"
+                    f"| {r['B']} | {r['L']} | {cfg_str(r['config'])} | {r['splits']} | {r['us']:.1f} | "
+                    f"{r['pct_copy']:.1f} |"
                 )
         out += [""]
     out += [
@@ -107,7 +111,8 @@ def render(
         "attended keys x 4 x D x Hq. SDPA: contiguous K/V with heads repeated, bottom-right causal mask "
         "(is_causal when nothing is cached).",
         "",
-        "| cached | new | GFLOP | config (MxN/warps/stages) | Triton ms | TFLOP/s | % matmul | SDPA ms | SDPA TFLOP/s | SDPA/Triton | err vs default |",
+        "| cached | new | GFLOP | config (MxN/warps/stages) | Triton ms | TFLOP/s | % matmul | SDPA ms | SDPA "
+        "TFLOP/s | SDPA/Triton | err vs default |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in prefill_rows:
@@ -115,7 +120,9 @@ def render(
             out.append(f"| {r['cached']} | {r['q_len']} | | {cfg_str(r['config'])} | {r['error']} | | | | | | |")
         else:
             out.append(
-                f"| {r['cached']} | {r['q_len']} | {r['gflop']:.1f} | {cfg_str(r['config'])} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-                f"{r['pct_mm']:.0f} | {r['sdpa_ms']:.3f} | {r['sdpa_tflops']:.0f} | {r['sdpa_ms'] / r['ms']:.2f} | {r['err_vs_default']:.1e} |"
+                f"| {r['cached']} | {r['q_len']} | {r['gflop']:.1f} | {cfg_str(r['config'])} | {r['ms']:.3f} | "
+                f"{r['tflops']:.0f} | "
+                f"{r['pct_mm']:.0f} | {r['sdpa_ms']:.3f} | {r['sdpa_tflops']:.0f} | {r['sdpa_ms'] / r['ms']:.2f} | "
+                f"{r['err_vs_default']:.1e} |"
             )
     return "\n".join(out) + "\n"

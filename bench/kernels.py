@@ -20,6 +20,7 @@ import math
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +42,7 @@ from kernels.reference import (  # noqa: E402
     paged_prefill_attention_ref,
     store_kvcache_ref,
 )
+from kernels.triton_decode import default_decode_config  # noqa: E402
 from kernels.triton_ops import (  # noqa: E402
     TRITON_OPS,
     DecodeConfig,
@@ -49,7 +51,6 @@ from kernels.triton_ops import (  # noqa: E402
     pick_num_splits,
     prefill_with_config,
 )
-from kernels.triton_decode import default_decode_config  # noqa: E402
 from kernels.triton_prefill import default_prefill_config  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -98,13 +99,13 @@ def measure_ceilings(rep: int) -> dict:
     nbytes = 2 << 30
     src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=DEVICE)
     dst = torch.empty_like(src)
-    copy_ms = bench_ms(lambda: dst.copy_(src), rep)
-    read_ms = bench_ms(lambda: src.sum(dtype=torch.float32), rep)  # read-only, for context
+    copy_ms = bench_ms(partial(dst.copy_, src), rep)
+    read_ms = bench_ms(partial(src.sum, dtype=torch.float32), rep)  # read-only, for context
     del src, dst
     n = 8192
     a = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
-    mm_ms = bench_ms(lambda: a @ b, rep)
+    mm_ms = bench_ms(partial(torch.matmul, a, b), rep)
     del a, b
     torch.cuda.empty_cache()
     return {
@@ -206,7 +207,7 @@ def decode_table(
         k_cache, v_cache, block_tables, seq_lens = paged_cache(batch, seq_len, gen)
         q = torch.randn((batch, HQ, D), dtype=DTYPE, device=DEVICE, generator=gen)
         moved = kv_bytes + 2 * q.numel() * 2
-        triton_fn = lambda: TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)  # noqa: E731
+        triton_fn = partial(TRITON_OPS.paged_decode_attention, q, k_cache, v_cache, block_tables, seq_lens, SCALE)
         out = triton_fn()
         t_ms = bench_ms(triton_fn, rep)
         graph_ms = bench_ms(graph_of(triton_fn), rep)
@@ -301,7 +302,7 @@ def decode_sweep(cells, copy_tbs: float, rep: int, gen) -> list[dict]:
                 if factor != 1 and splits == base:
                     continue
                 try:
-                    fn = lambda: decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, SCALE, config, splits)  # noqa: E731
+                    fn = partial(decode_with_config, q, k_cache, v_cache, block_tables, seq_lens, SCALE, config, splits)
                     fn()
                     t_ms = bench_ms(fn, rep)
                     rows.append(
@@ -352,14 +353,14 @@ def prefill_table(configs, rep: int, gen, matmul_tflops: float) -> list[dict]:
         v_contig = contiguous_kv(v_cache, block_tables, seq_len).repeat_interleave(HQ // HKV, dim=1)
         q4 = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, Lq, D)
         if cached == 0:
-            sdpa_fn = lambda: F.scaled_dot_product_attention(q4, k_contig, v_contig, is_causal=True, scale=SCALE)  # noqa: E731
+            sdpa_fn = partial(F.scaled_dot_product_attention, q4, k_contig, v_contig, is_causal=True, scale=SCALE)
         else:
             bias = causal_lower_right(q_len, seq_len)
-            sdpa_fn = lambda: F.scaled_dot_product_attention(q4, k_contig, v_contig, attn_mask=bias, scale=SCALE)  # noqa: E731
+            sdpa_fn = partial(F.scaled_dot_product_attention, q4, k_contig, v_contig, attn_mask=bias, scale=SCALE)
         sdpa_ms = bench_ms(sdpa_fn, rep)
         sdpa_err = rel_err(sdpa_fn()[0].transpose(0, 1), ref)
         for config in configs:
-            fn = lambda: prefill_with_config(q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE, config)  # noqa: E731
+            fn = partial(prefill_with_config, q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE, config)
             try:
                 err = rel_err(fn(), ref) if config != configs[0] else 0.0
                 t_ms = bench_ms(fn, rep)

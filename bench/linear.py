@@ -72,7 +72,8 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
     lines = [
-        "| projection | N x K | rows | cuBLAS us | gemv us | gemv TB/s | gemv % of copy | cuBLAS / gemv | max ulp diff (gemv) |",
+        "| projection | N x K | rows | cuBLAS us | gemv us | gemv TB/s | gemv % of copy | cuBLAS / gemv | max ulp "
+        "diff (gemv) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     total = {}
@@ -90,7 +91,8 @@ def main() -> None:
                 g_ulps, g = float("nan"), float("nan")
             tbs = n * k * 2 / g / 1e6
             lines.append(
-                f"| {name} | {n} x {k} | {m} | {cublas:.1f} | {g:.1f} | {tbs:.2f} | {tbs * 1e12 / bw:.0%} | {cublas / g:.2f}x | {g_ulps:.1f} |"
+                f"| {name} | {n} x {k} | {m} | {cublas:.1f} | {g:.1f} | {tbs:.2f} | {tbs * 1e12 / bw:.0%} | "
+                f"{cublas / g:.2f}x | {g_ulps:.1f} |"
             )
             t = total.setdefault(m, [0.0, 0.0])
             per_step = 1 if name == "lm_head" else 28  # layers of Qwen3-0.6B

@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import build_runner  # noqa: E402
 
-
 Top2 = tuple[float, tuple[int, int]]  # a step's top-2 logit gap and the two token ids
 
 
@@ -162,7 +161,8 @@ def check_parity(
         report.append(
             f"fp32 reference at all {len(margins)} divergences: the optimized path's token ahead at "
             f"{sum(m > 0 for m in margins)}, the plain path's at {sum(m < 0 for m in margins)}; the two candidates "
-            f"at most {max(abs(m) for m in margins):.2e} apart (median {sorted(map(abs, margins))[len(margins) // 2]:.2e})"
+            f"at most {max(abs(m) for m in margins):.2e} apart (median "
+            f"{sorted(map(abs, margins))[len(margins) // 2]:.2e})"
         )
     return report
 

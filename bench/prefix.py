@@ -115,7 +115,8 @@ def timed_run(
     during = {k: after[k] - counted[k] for k in after}
     if prof is None and first_steps is None and phase_times.ENABLED:
         print(
-            f"== caching {'on' if caching else 'off'}: phase timers of the later {len(step_ends) - 1} steps, {seconds * 1e3:.1f} ms; "
+            f"== caching {'on' if caching else 'off'}: phase timers of the later {len(step_ends) - 1} steps, "
+            f"{seconds * 1e3:.1f} ms; "
             f"{len(ids)} add_request calls {(added - start) * 1e3:.2f} ms; first step() calls, ms: "
             + ", ".join(f"{(b - a) * 1e3:.2f}" for a, b in zip([added, *step_ends], step_ends[:4]))
         )
@@ -223,16 +224,19 @@ def main() -> None:
         "| prefix caching | run | seconds | output tok/s | TTFT p50 ms | TTFT p99 ms | prompt tokens from cache |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         *(
-            f"| {'on' if r['caching'] else 'off'} | {i + 1} | {r['seconds']:.3f} | {r['tok_s']:,.0f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['hit_tokens']} |"
+            f"| {'on' if r['caching'] else 'off'} | {i + 1} | {r['seconds']:.3f} | {r['tok_s']:,.0f} | "
+            f"{r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['hit_tokens']} |"
             for rs in (ons, offs)
             for i, r in enumerate(rs)
         ),
         "",
         f"medians of {args.repeats} runs each: throughput on {on['tok_s']:,.0f}, off {off['tok_s']:,.0f} tok/s; "
         f"TTFT p50 on {on['ttft_p50']:.1f}, off {off['ttft_p50']:.1f} ms",
-        f"throughput on/off: {on['tok_s'] / off['tok_s']:.2f}x (target >= 3x); TTFT p50 off/on: {off['ttft_p50'] / on['ttft_p50']:.2f}x (target >= 5x)",
+        f"throughput on/off: {on['tok_s'] / off['tok_s']:.2f}x (target >= 3x); TTFT p50 off/on: "
+        f"{off['ttft_p50'] / on['ttft_p50']:.2f}x (target >= 5x)",
         f"overlapped scheduling: {on['overlap']}",
-        f"during the timed runs: on: {RunCounters.total(r['during'] for r in ons)}; off: {RunCounters.total(r['during'] for r in offs)}",
+        f"during the timed runs: on: {RunCounters.total(r['during'] for r in ons)}; off: "
+        f"{RunCounters.total(r['during'] for r in offs)}",
     ]
     print("\n".join(lines))
     if args.out:

@@ -45,7 +45,7 @@ def setup_decode(runner, batch: int, context: int, temperature: float):
 def decode_steps(runner, steps, n: int) -> None:
     from contracts.step import SeqStep, StepInput
 
-    for i in range(n):
+    for _ in range(n):
         out = runner.step(StepInput(seqs=steps))
         steps = [
             SeqStep(s.seq_id, [t.token_id], s.start_pos + len(s.token_ids), True) for s, t in zip(steps, out.sampled)

@@ -53,7 +53,8 @@ def main() -> None:
     n = sum(len(o.token_ids) for o in outs)
     steps = llm.engine.scheduler.stats.num_steps
     print(
-        f"{n} tokens in {seconds:.2f} s under cProfile: {n / seconds:,.0f} tok/s, {steps} steps, {seconds / steps * 1e3:.2f} ms/step"
+        f"{n} tokens in {seconds:.2f} s under cProfile: {n / seconds:,.0f} tok/s, {steps} steps, "
+        f"{seconds / steps * 1e3:.2f} ms/step"
     )
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 

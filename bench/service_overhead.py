@@ -216,8 +216,8 @@ def start_redis() -> tuple[subprocess.Popen | None, str | None]:
 
 
 def versions() -> dict[str, str]:
-    import grpc
     import google.protobuf
+    import grpc
     import torch
 
     from bench.common import environment
@@ -241,7 +241,8 @@ def versions() -> dict[str, str]:
 def row(name: str, r: dict, tokens: int, base: dict) -> str:
     tok_s = tokens / r["seconds"]
     ms = f"{1e3 * r['seconds'] / r['steps']:.2f}" if "steps" in r else "-"
-    return f"| {name} | {r['seconds']:.2f} | {tok_s:,.0f} | {tok_s / (tokens / base['seconds']):.0%} | {r.get('steps', '-')} | {ms} |"
+    share = tok_s / (tokens / base["seconds"])
+    return f"| {name} | {r['seconds']:.2f} | {tok_s:,.0f} | {share:.0%} | {r.get('steps', '-')} | {ms} |"
 
 
 def main() -> None:
@@ -300,7 +301,8 @@ def main() -> None:
         "",
         "Per-step cost of the internal calls (engine here; means over the median run):",
         "",
-        "| store | ApplyStep ms | model Step ms (remote) | model ms (embedded, local) | empty Step ms (RPC floor) | RPC overhead ms/step |",
+        "| store | ApplyStep ms | model Step ms (remote) | model ms (embedded, local) | empty Step ms (RPC floor) | "
+        "RPC overhead ms/step |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in results.items():
@@ -311,7 +313,8 @@ def main() -> None:
             else:
                 step, overhead = f"{r['step_ms']:.3f}", f"{r['apply_ms'] + r['step_ms'] - base['model_ms']:.3f}"
             lines.append(
-                f"| {name.split('(')[1].split()[0]}{', pipelined' if pipelined else ''} | {r['apply_ms']:.3f} | {step} | {base['model_ms']:.3f} "
+                f"| {name.split('(')[1].split()[0]}{', pipelined' if pipelined else ''} | {r['apply_ms']:.3f} | "
+                f"{step} | {base['model_ms']:.3f} "
                 f"| {r['empty_step_ms']:.3f} | {overhead} |"
             )
     lines += [

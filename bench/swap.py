@@ -74,7 +74,8 @@ def main() -> None:
     results = [run(args, "swap"), run(args, "recompute")]
     r0 = results[0]
     lines = [
-        f"device pool {r0['device_blocks']} blocks = a quarter of the peak need ({r0['peak_blocks']} blocks of 16 tokens)",
+        f"device pool {r0['device_blocks']} blocks = a quarter of the peak need ({r0['peak_blocks']} blocks of 16 "
+        "tokens)",
         "",
         "| preemption | seconds | output tok/s | preemptions | bytes moved between pools |",
         "| --- | ---: | ---: | ---: | ---: |",

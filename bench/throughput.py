@@ -128,8 +128,13 @@ def hf_row(runner, prompts, params, tok_s: float) -> str:
             runner.dtype,
         )
     except Exception as exc:  # noqa: BLE001 - an API of transformers that moves: report it, keep the run
-        return f"| transformers continuous batching | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} | | | | | | |"
-    return f"| transformers continuous batching | {n} | {seconds:.2f} | {n / seconds:,.0f} | | {n / seconds / tok_s:.1%} of embedded | | |"
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        return f"| transformers continuous batching | failed: {why} | | | | | | |"
+    hf_tok_s = n / seconds
+    return (
+        f"| transformers continuous batching | {n} | {seconds:.2f} | {hf_tok_s:,.0f} | "
+        f"| {hf_tok_s / tok_s:.1%} of embedded | | |"
+    )
 
 
 def timed_generate(
@@ -303,7 +308,8 @@ def main() -> None:
         before = counters.snapshot()
         runs.append(timed_generate(llm, prompts, params, dev, warmup=args.warmup))
         run_notes.append(
-            f"- {runs[-1][1] / runs[-1][0]:,.0f} tok/s, {runs[-1][2]} steps; during warm-up and run: {RunCounters.delta(before, counters.snapshot())}"
+            f"- {runs[-1][1] / runs[-1][0]:,.0f} tok/s, {runs[-1][2]} steps; during warm-up and run: "
+            f"{RunCounters.delta(before, counters.snapshot())}"
         )
         run_notes += [
             f"  - compiled: {name}"
@@ -367,7 +373,8 @@ def main() -> None:
             f", {svc_tok_s / tok_s:.1%} of embedded overlapped" if overlapped else ""
         )
         extra_rows.append(
-            f"| service (3 processes, gRPC{', pipelined' if svc_pipelined else ''}) | {svc_out} | {svc_seconds:.2f} | {svc_tok_s:,.0f} | | {ratio} | "
+            f"| service (3 processes, gRPC{', pipelined' if svc_pipelined else ''}) | {svc_out} | {svc_seconds:.2f} "
+            f"| {svc_tok_s:,.0f} | | {ratio} | "
             f"{svc_steps} | |"
         )
     roof = (
@@ -378,7 +385,8 @@ def main() -> None:
     lines = [
         "| mode | output tokens | seconds | tok/s | roofline tok/s | fraction | steps | preemptions |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| embedded | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | {embedded_steps} | {embedded_preemptions} |",
+        f"| embedded | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | "
+        f"{embedded_steps} | {embedded_preemptions} |",
         *extra_rows,
         *(
             ["", f"repeats in one process (tok/s, in order): {', '.join(f'{r[1] / r[0]:,.0f}' for r in runs)}"]
@@ -389,14 +397,16 @@ def main() -> None:
         f"each run ({args.warmup} warm-up before it):",
         *run_notes,
         "",
-        f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s, "
+        f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul "
+        f"{fl / 1e12:.0f} TFLOP/s, "
         f"device blocks {num_device_blocks}, kernels {runner.ops.name}, cuda graphs {graphs}, "
         f"overlapped scheduling {overlapped} (pipeline depth {llm_depth})",
     ]
     if phase_rows:
         lines += [
             "",
-            "(phase tables: PICOVLLM_PHASE_TIMES was set; wall time per phase of each process, see contracts/phase_times.py)",
+            "(phase tables: PICOVLLM_PHASE_TIMES was set; wall time per phase of each process, see "
+            "contracts/phase_times.py)",
             *phase_rows,
         ]
     if parity:

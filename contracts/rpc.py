@@ -179,10 +179,8 @@ def stop_event() -> asyncio.Event:
     event = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(sig, event.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
     return event
 
 

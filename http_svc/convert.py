@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from http_svc.protocol import SamplingFields
+from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}

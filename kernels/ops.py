@@ -7,8 +7,8 @@ package's select_ops, which imports kernels.triton_ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

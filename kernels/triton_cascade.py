@@ -52,6 +52,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_cascade_store import (
+    StepKV,
+    fuses_store,
+    normed_query_rows,
+    store_kv_rows,
+)  # StepKV, fuses_store: this module's API too
 from kernels.triton_common import (
     LOG2E,
     cdiv,
@@ -71,17 +77,11 @@ from kernels.triton_decode import (
     PROGRAMS_PER_SM,
     DecodeConfig,
     arrival_counters,
-    combine_group,
     attend_pages,
+    combine_group,
     default_decode_config,
     pick_num_splits,
 )
-from kernels.triton_cascade_store import (
-    StepKV,
-    fuses_store,
-    normed_query_rows,
-    store_kv_rows,
-)  # StepKV, fuses_store: this module's API too
 from kernels.triton_fused import cast_needs_fix
 from kernels.triton_prefill import PrefillConfig
 

@@ -55,7 +55,7 @@ if interpreting():
     _fix_interpreter_scalar_index()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -70,7 +70,7 @@ PDL_ENV = "PICOVLLM_PDL"  # "1": programmatic dependent launch everywhere; "0": 
 _pdl_scope: bool | None = None  # set by pdl_scope(): what launches inside it want when the variable is unset
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -233,10 +233,7 @@ def load_rows(ptrs, row_mask, d_mask, ROW_MASK: tl.constexpr, D_MASK: tl.constex
         else:
             x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
     else:
-        if D_MASK:
-            x = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
-        else:
-            x = tl.load(ptrs)
+        x = tl.load(ptrs, mask=d_mask[None, :], other=0.0) if D_MASK else tl.load(ptrs)
     return x
 
 

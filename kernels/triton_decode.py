@@ -42,7 +42,6 @@ from kernels.triton_common import (
     upcast_dot,
 )
 
-
 # Heuristic constants of pick_num_splits (see its docstring).
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 256

@@ -32,7 +32,6 @@ from kernels.triton_common import (
     round_to,
 )
 
-
 # ---- rms_norm ----
 
 

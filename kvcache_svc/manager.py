@@ -11,9 +11,9 @@ BlockOpError, also under `python -O`, and changes nothing either.
 from __future__ import annotations
 
 from array import array
-from hashlib import blake2b
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from hashlib import blake2b
 
 from kvcache_svc.block_pool import BlockOpError, BlockPool, Tier
 

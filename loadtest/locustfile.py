@@ -39,10 +39,47 @@ from protos.picovllm.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc  # no
 
 METADATA = call_metadata(read_secret(API_KEY_ENV, check=False))
 
-WORDS = (
-    "once upon a time there was a little girl named lily she loved to play outside in the park "
-    "one day she saw a big red ball and her friend tom came to play with her they were happy"
-).split()
+WORDS = [
+    "once",
+    "upon",
+    "a",
+    "time",
+    "there",
+    "was",
+    "a",
+    "little",
+    "girl",
+    "named",
+    "lily",
+    "she",
+    "loved",
+    "to",
+    "play",
+    "outside",
+    "in",
+    "the",
+    "park",
+    "one",
+    "day",
+    "she",
+    "saw",
+    "a",
+    "big",
+    "red",
+    "ball",
+    "and",
+    "her",
+    "friend",
+    "tom",
+    "came",
+    "to",
+    "play",
+    "with",
+    "her",
+    "they",
+    "were",
+    "happy",
+]
 SHARED_PREFIX = " ".join(random.Random(0).choices(WORDS, k=300))
 
 

@@ -92,10 +92,7 @@ class ModelConfig:
         """Build from a transformers PretrainedConfig (4.5x or 5.x) or a config.json dict."""
 
         def get(name: str, default: Any = None) -> Any:
-            if isinstance(hf_config, dict):
-                value = hf_config.get(name, default)
-            else:
-                value = getattr(hf_config, name, default)
+            value = hf_config.get(name, default) if isinstance(hf_config, dict) else getattr(hf_config, name, default)
             return default if value is None else value
 
         family = _check_family(get("model_type"))

@@ -24,7 +24,8 @@ step of greedy or plain-temperature rows launches nothing between its replays.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -71,7 +72,7 @@ class GraphInputs(NamedTuple):
         return -(-(8 * (4 * max_batch + 1) + 4 * (2 * max_batch + 1) + 4 * max_batch) // 8) * 8
 
     @classmethod
-    def views(cls, buf: Any, max_batch: int) -> "GraphInputs":
+    def views(cls, buf: Any, max_batch: int) -> GraphInputs:
         """The fields over `buf` (a uint8 numpy array or torch tensor of nbytes(max_batch))."""
         numpy = isinstance(buf, np.ndarray)
         i64, i32, f32 = (np.int64, np.int32, np.float32) if numpy else (torch.int64, torch.int32, torch.float32)

@@ -25,7 +25,6 @@ from kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from model_svc.attention_metadata import AttentionMetadata
 from model_svc.config import RopeScaling
 
-
 # The torch path of these layers is the kernels' reference math, not a copy of it.
 apply_rotary = rotary_ref
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -101,7 +101,7 @@ def iter_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]
     """(name, tensor) one at a time, so at most one checkpoint tensor is in host memory."""
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable; keys() is its API
                 yield name, f.get_tensor(name)
 
 

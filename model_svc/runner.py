@@ -9,8 +9,9 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -78,7 +79,8 @@ class ModelRunner:
         enforce_eager: bool = False,
         max_num_seqs: int = 256,
         pinned_inputs: bool = True,
-        small_batch_pdl: bool = True,  # the small-batch decode graphs capture PDL (scheduler_svc.config.small_batch_pdl)
+        # The small-batch decode graphs capture PDL (scheduler_svc.config.small_batch_pdl).
+        small_batch_pdl: bool = True,
         torch_threads: int | None = None,  # CPU only; None: loader.cpu_threads picks by model size
     ) -> None:
         self.device = (
@@ -318,7 +320,7 @@ class ModelRunner:
             sampling,
         )
 
-    def _sampling_batch(self, states: list["_SeqState"]) -> SamplingBatch:
+    def _sampling_batch(self, states: list[_SeqState]) -> SamplingBatch:
         """The step's per-row sampling tensors. A decode batch usually has the rows of the step
         before, so the last batch is reused when every row has the same params and generator
         objects (the cache holds them, so no id is reused) and no row needs the token history."""

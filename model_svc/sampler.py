@@ -7,16 +7,18 @@ step in SamplingBatch.build. A seeded request draws its noise from its own torch
 so its tokens do not depend on what else is in the batch.
 
 A batch that fails is sampled again row by row, and the first row that fails alone is named
-(SequenceFailed, with the row's sequence id), so that the scheduler fails that sequence only; row_problem checks a sequence's
-knobs against the vocabulary when it arrives, before it is ever in a batch.
+(SequenceFailed, with the row's sequence id), so that the scheduler fails that sequence only;
+row_problem checks a sequence's knobs against the vocabulary when it arrives, before it is
+ever in a batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch

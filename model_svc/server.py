@@ -9,6 +9,7 @@ thread, so health checks answer while a step (or the model load) runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import uuid
@@ -185,10 +186,8 @@ def _settle(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, result: Any
         else:
             answer.set_result(result)
 
-    try:
+    with contextlib.suppress(RuntimeError):  # the loop is closed
         loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the loop is closed
-        pass
 
 
 async def serve(config: ModelSection, max_num_seqs: int = 256, token: str | None = None) -> None:
@@ -216,7 +215,8 @@ async def serve(config: ModelSection, max_num_seqs: int = 256, token: str | None
             service.runner.num_host_blocks,
         )
         announce(
-            f"model service ready: gRPC {running.address} ({service.runner.config.architecture}, {service.runner.device})"
+            f"model service ready: gRPC {running.address} "
+            f"({service.runner.config.architecture}, {service.runner.device})"
         )
         await stopped
     await running.set_serving(False)

@@ -29,8 +29,8 @@ def add_experiment_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--model",
         default=None,
-        help="load/steps: the bundled model (default), 'qwen3-0.6b' or 'tiny' (random weights) or a local model directory; "
-        "memory/heatmap always use the bundled model on the CPU",
+        help="load/steps: the bundled model (default), 'qwen3-0.6b' or 'tiny' (random weights) "
+        "or a local model directory; memory/heatmap always use the bundled model on the CPU",
     )
     ap.add_argument("--device", default="cpu", help="load/steps device: cpu (default) or cuda")
     ap.add_argument("--seed", type=int, default=0, help="seed of the workloads (default: 0)")

@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser(
         "generate",
         help="generate text in this process (no server needed)",
-        description="Generate text in this process: no server, no Redis, no GPU needed. Greedy unless --temperature is given.",
+        description="Generate text in this process: no server, no Redis, no GPU needed. "
+        "Greedy unless --temperature is given.",
     )
     gen.add_argument("prompt", help="the prompt text")
     add_log_flags(gen)

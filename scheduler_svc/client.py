@@ -141,7 +141,7 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -257,5 +257,8 @@ def _describe(err: grpc.RpcError, address: str, before_any_answer: bool) -> str:
             f"the scheduler at {address} refused the credentials: set ${API_KEY_ENV} (or --api-key-file) to its API key"
         )
     if err.code() == grpc.StatusCode.UNAVAILABLE and before_any_answer:
-        return f"the scheduler at {address} is unavailable: {err.details()} (is `picovllm serve` up? --wait-ready SECONDS waits for it)"
+        return (
+            f"the scheduler at {address} is unavailable: {err.details()} "
+            "(is `picovllm serve` up? --wait-ready SECONDS waits for it)"
+        )
     return f"{err.code().name}: {err.details()}"

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from contracts.service_config import BUNDLED_MODEL, check_preemption_mode
 
-
 # Hugging Face's repo id forms, "name" or "namespace/name"; anything else is a path.
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
@@ -37,7 +36,8 @@ def resolve_model(model: str) -> str:
         pass
     raise ModelNotFoundError(
         f"model {model!r} is not a local directory and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
-        f"this server never downloads: fetch it first with `hf download {model}` (older huggingface_hub: `huggingface-cli download`)"
+        f"this server never downloads: fetch it first with `hf download {model}` "
+        "(older huggingface_hub: `huggingface-cli download`)"
     )
 
 

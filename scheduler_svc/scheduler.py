@@ -76,7 +76,8 @@ class Scheduler:
         needed = self.kv.num_blocks_for(request.num_prompt_tokens + 1)
         if needed > self.kv.device.num_blocks:
             raise ValueError(
-                f"prompt of {request.num_prompt_tokens} tokens needs {needed} blocks; the device pool has {self.kv.device.num_blocks}"
+                f"prompt of {request.num_prompt_tokens} tokens needs {needed} blocks; "
+                f"the device pool has {self.kv.device.num_blocks}"
             )
         self.waiting.append(request)
 

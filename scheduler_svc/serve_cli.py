@@ -185,7 +185,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--listen",
         default=None,
-        help="bind this address instead of the service's own, e.g. 0.0.0.0:50052 in a container (default: the service's address)",
+        help="bind this address instead of the service's own, e.g. 0.0.0.0:50052 in a container "
+        "(default: the service's address)",
     )
     for flag, (_, text) in SECRET_FILES.items():
         p.add_argument(flag, default=None, metavar="FILE", help=text)
@@ -405,8 +406,8 @@ def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
             metrics = f", metrics http://{addresses['metrics']}/metrics" if "metrics" in addresses else ""
             gateway = f"HTTP API (OpenAI-compatible) http://{addresses['http']}/v1; " if "http" in addresses else ""
             announce(
-                f"ready: {gateway}scheduler gRPC {addresses['scheduler']}{metrics}; kvcache gRPC {addresses['kvcache']}; "
-                f"model gRPC {addresses['model']}"
+                f"ready: {gateway}scheduler gRPC {addresses['scheduler']}{metrics}; "
+                f"kvcache gRPC {addresses['kvcache']}; model gRPC {addresses['model']}"
             )
         time.sleep(0.2)
     # The gateway first (its requests in flight finish), then the scheduler drains while its

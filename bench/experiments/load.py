@@ -110,8 +110,10 @@ def run(
         points.append({"rate_fraction": frac, "rate_rps": rate, **point})
         bar.update()
         bar.write(
-            f"  load: {rate:7.2f} req/s offered -> {point['achieved_rps']:.2f} done/s, e2e mean {point['e2e']['mean'] * 1e3:.0f} ms, "
-            f"p99 {point['e2e']['p99'] * 1e3:.0f} ms, ttft {point['ttft']['mean'] * 1e3:.0f} ms, itl {point['itl']['mean'] * 1e3:.1f} ms",
+            f"  load: {rate:7.2f} req/s offered -> {point['achieved_rps']:.2f} done/s, e2e mean "
+            f"{point['e2e']['mean'] * 1e3:.0f} ms, "
+            f"p99 {point['e2e']['p99'] * 1e3:.0f} ms, ttft {point['ttft']['mean'] * 1e3:.0f} ms, itl "
+            f"{point['itl']['mean'] * 1e3:.1f} ms",
             file=sys.stdout,
         )
     bar.close()

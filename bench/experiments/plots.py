@@ -129,7 +129,8 @@ def plot_load(r: dict, out_dir) -> Path:
     rate = [p["rate_rps"] for p in pts]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.3))
     fig.suptitle(
-        f"Throughput vs latency, Poisson arrivals - {r['model']} on {r['device']}, {r['num_requests']} requests per rate "
+        f"Throughput vs latency, Poisson arrivals - {r['model']} on {r['device']}, {r['num_requests']} requests per "
+        "rate "
         f"(saturated capacity {r['capacity_rps']:.1f} req/s)"
     )
     for ax, key, title in (

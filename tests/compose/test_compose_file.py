@@ -11,7 +11,6 @@ import re
 import shutil
 import subprocess
 import sys
-
 from pathlib import Path
 
 import grpc
@@ -183,16 +182,16 @@ def test_services_start_from_the_file_and_answer(compose, tmp_path):
             if kind == "http":  # --host 0.0.0.0 --port 8000
                 argv = [{"0.0.0.0": "127.0.0.1", "8000": str(ports["http"])}.get(a, a) for a in argv]
             env = environment(name)
-            log = open(tmp_path / f"{name}.log", "w")
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "scheduler_svc.cli", *argv, "--torch-threads", "1"]
-                if kind == "model"
-                else [sys.executable, "-m", "scheduler_svc.cli", *argv],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=tmp_path,
-            )
+            with open(tmp_path / f"{name}.log", "w") as log:  # the child keeps its own copy
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "scheduler_svc.cli", *argv, "--torch-threads", "1"]
+                    if kind == "model"
+                    else [sys.executable, "-m", "scheduler_svc.cli", *argv],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=tmp_path,
+                )
             procs.append(proc)
             check = [local(a) for a in services[name]["healthcheck"]["test"][1:]]
             check = [sys.executable if a == "python" else a for a in check]
@@ -208,9 +207,12 @@ def test_services_start_from_the_file_and_answer(compose, tmp_path):
             text, ids, last = c.complete("Once upon a time", max_tokens=12, temperature=0)
         assert len(ids) == 12 and text.startswith(", there was a little girl")
         assert client.keys("picovllm:compose:*"), "the KV-cache service wrote no metadata to the compose Redis"
-        with Client(f"127.0.0.1:{ports['scheduler']}", timeout=10, api_key="") as c:  # the file's API key is required
-            with pytest.raises(grpc.RpcError) as refused:
-                c.complete("Once upon a time", max_tokens=2)
+        # The file's API key is required.
+        with (
+            Client(f"127.0.0.1:{ports['scheduler']}", timeout=10, api_key="") as c,
+            pytest.raises(grpc.RpcError) as refused,
+        ):
+            c.complete("Once upon a time", max_tokens=2)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         import openai  # the gateway, with the file's API key
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_decode import arrival_counters
 from kernels.reference import rms_norm_ref
+from kernels.triton_decode import arrival_counters
 from kernels.triton_splitk import splitk_add_residual, splitk_config, splitk_linear, use_splitk_linear
 from tests.kernels.test_linear import DTYPES, check
 

@@ -38,7 +38,7 @@ def _paged_logits(model, config, seqs: list[list[int]], chunk: int) -> list[torc
         step = [(i, s[start : start + chunk]) for i, s in enumerate(seqs) if start < len(s)]
         ids, positions, attn = sim.step(step)
         logits = model.compute_logits(model(ids, positions, sim.kv_caches, attn))
-        for (i, toks), part in zip(step, logits.split([len(t) for _, t in step])):
+        for (i, _), part in zip(step, logits.split([len(t) for _, t in step])):
             outs[i].append(part)
     return [torch.cat(o) for o in outs]
 

@@ -12,7 +12,10 @@ import pytest
 from scheduler_svc import LLM, AsyncLLM, SamplingParams
 from scheduler_svc.cli import main as cli_main
 
-STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball."
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+    "One day, she saw a big, red ball."
+)
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[t
                 return_dict_in_generate=True,
                 pad_token_id=0,
             )
-        results.append((out.sequences[0, len(ids) :].tolist(), [l[0] for l in out.logits]))
+        results.append((out.sequences[0, len(ids) :].tolist(), [step_logits[0] for step_logits in out.logits]))
     return results
 
 

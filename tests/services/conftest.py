@@ -3,6 +3,7 @@ processes that are always killed in teardown. Every wait here is bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -43,13 +44,13 @@ class RedisServer:
     def __init__(self, tmp: Path) -> None:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.log = open(tmp / f"redis-{self.port}.log", "w")
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            cwd=tmp,
-        )
+        with open(tmp / f"redis-{self.port}.log", "w") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=tmp,
+            )
         import redis
 
         self.client = redis.Redis(port=self.port, socket_timeout=2)
@@ -65,7 +66,6 @@ class RedisServer:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=10)
-        self.log.close()
 
 
 @pytest.fixture(scope="session")
@@ -104,26 +104,23 @@ class ServiceProcess:
 
     def start(self) -> None:
         self.log_path = self.log_dir / f"{self.kind}-{uuid.uuid4().hex[:6]}.log"
-        self.log = open(self.log_path, "w")
         # A session of its own: kill() takes the children of `serve all` along.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "scheduler_svc.cli", "-v", "serve", self.kind, *self.args],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            cwd=REPO,
-            start_new_session=True,
-        )
+        with open(self.log_path, "w") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "scheduler_svc.cli", "-v", "serve", self.kind, *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=REPO,
+                start_new_session=True,
+            )
 
     def kill(self) -> None:
         """SIGKILL to the process and everything it started."""
         if self.proc is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             self.proc.wait(timeout=10)
-        self.log.close()
 
     def terminate(self, timeout: float = 30) -> int:
         assert self.proc is not None

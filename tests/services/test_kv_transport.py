@@ -57,7 +57,7 @@ def drive(kv, steps: int, seed: int, preemption_mode: str, after_commit=None, co
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24, preemption_mode=preemption_mode), kv)
     prefix = [rng.randrange(100) for _ in range(2 * BS)]
     log, reqs, n = [], {}, 0
-    for step in range(steps):
+    for _ in range(steps):
         if rng.random() < 0.4 and len(reqs) < 12:
             prompt = (prefix if rng.random() < 0.5 else []) + [
                 rng.randrange(100) for _ in range(rng.randrange(1, 3 * BS))

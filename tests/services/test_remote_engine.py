@@ -291,9 +291,9 @@ def test_pipelined_engine_ends_with_the_undisturbed_tokens(reference, disturbanc
         check.load()
         disturb = lambda n: setattr(engine.kv, "transport", InProcessTransport(check)) if n == 6 else None  # noqa: E731
     elif disturbance == "kv mismatch":
-        disturb = lambda n: (
+        disturb = lambda n: (  # noqa: E731
             service.apply_step(service.step + 1, [AllocateOp("intruder", [1, 2, 3], 3)]) if n == 6 else None
-        )  # noqa: E731
+        )
     else:
         disturb = None
     assert run(engine, disturb) == reference

@@ -111,10 +111,8 @@ def test_second_serve_all_is_refused_in_one_line(first, clash):
     proc, seconds = run_cli("serve", "all", *second)
     line = one_line(proc)
     assert proc.returncode != 0 and seconds < 10
-    assert (
-        line
-        == f"picovllm: error: cannot listen on {port}{' (metrics)' if 'metrics' in clash else ''}: address already in use"
-    )
+    what = " (metrics)" if "metrics" in clash else ""
+    assert line == f"picovllm: error: cannot listen on {port}{what}: address already in use"
     assert_still_serving(addr)
 
 
@@ -188,6 +186,6 @@ def test_each_service_announces_its_addresses(tmp_path):
             rf"metrics http://127\.0\.0\.1:{stack.metrics_port}/metrics",
         }
         for kind, proc in stack.procs.items():  # health says SERVING a moment before the line
-            wait_for(lambda: re.search(pattern[kind], proc.tail(200)), 10, f"the {kind} readiness line")
+            wait_for(lambda k=kind, p=proc: re.search(pattern[k], p.tail(200)), 10, f"the {kind} readiness line")
     finally:
         stack.close()

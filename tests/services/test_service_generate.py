@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -183,7 +184,7 @@ def test_scheduler_process_never_loads_torch(stack):
     """The running scheduler, tokenizer loaded and requests served, has no torch library mapped
     (tests/test_layers.py checks its imports; this checks the process)."""
     generate_all(stack, ["Once upon a time"], temperature=0.0, max_tokens=4)
-    maps = {p: open(f"/proc/{stack.procs[p].proc.pid}/maps").read() for p in ("scheduler", "model")}
+    maps = {p: Path(f"/proc/{stack.procs[p].proc.pid}/maps").read_text() for p in ("scheduler", "model")}
     assert "libtorch" in maps["model"]  # what the check looks for is there when torch is
     assert "libtorch" not in maps["scheduler"]
 
@@ -215,9 +216,8 @@ def test_client_command_streams_text(stack, embedded):
 
 def test_deadline_shorter_than_the_work(stack):
     start = time.monotonic()
-    with stack.client() as c:
-        with pytest.raises(grpc.RpcError) as err:
-            list(c.generate("Once upon a time", temperature=0.0, max_tokens=480, ignore_eos=True, timeout=0.3))
+    with stack.client() as c, pytest.raises(grpc.RpcError) as err:
+        list(c.generate("Once upon a time", temperature=0.0, max_tokens=480, ignore_eos=True, timeout=0.3))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - start < 5
     stack.wait_kv_clean()
