@@ -242,6 +242,7 @@ def error_from_rpc(err: grpc.RpcError) -> PicoError | None:
     code = err.code() if hasattr(err, "code") else None
     detail = err.details() if hasattr(err, "details") else str(err)
     for cls, c in _CODES:
-        if code == c:
-            return (InvalidArgument if cls is ValueError else cls)(detail)
+        error = InvalidArgument if cls is ValueError else cls
+        if code == c and issubclass(error, PicoError):  # every class of _CODES but ValueError is
+            return error(detail)
     return None

@@ -208,7 +208,8 @@ class ServiceConfig:
         return self.scheduler.tokenizer or self.model.model
 
 
-_SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(ServiceConfig)}  # type: ignore[misc]
+# Each section's dataclass (its ServiceConfig field's default factory), by the section's key.
+_SECTIONS: dict[str, Any] = {f.name: f.default_factory for f in dataclasses.fields(ServiceConfig)}
 
 
 def _coerce(section: str, name: str, raw: Any, annotation: str) -> Any:

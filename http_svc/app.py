@@ -163,10 +163,12 @@ def create_app(backend: SchedulerBackend, api_key: str | None, max_request_bytes
     app.state.backend = backend
     metrics = HttpMetrics()
     app.include_router(router)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(APIError, lambda request, exc: exc.response())
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _server_error)
+    # FastAPI's decorator form: Starlette's add_exception_handler types every handler as
+    # taking Exception, though each gets the class it is registered for.
+    app.exception_handler(RequestValidationError)(_validation_error)
+    app.exception_handler(APIError)(lambda request, exc: exc.response())
+    app.exception_handler(HTTPException)(_http_error)
+    app.exception_handler(Exception)(_server_error)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,8 @@ class ChatTokenizer:
         # calls it: the named special tokens are template variables, the request's kwargs win.
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        rendered, _ = render_jinja_template(
+        # transformers annotates it `-> str`, but it returns (rendered, generation indices).
+        rendered, _ = render_jinja_template(  # type: ignore[str-unpack]
             [messages],
             chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt,
@@ -82,6 +84,15 @@ class ChatTokenizer:
 def load_chat_tokenizer(directory: str, chat_template_file: str | None) -> ChatTokenizer:
     template = Path(chat_template_file).read_text() if chat_template_file else None
     return ChatTokenizer(load_tokenizer(directory), template)
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """What the endpoints read of a ready backend."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: ChatTokenizer
 
 
 class SchedulerBackend:
@@ -119,6 +130,13 @@ class SchedulerBackend:
     @property
     def ready(self) -> bool:
         return self.info is not None and self.tokenizer is not None
+
+    def serving(self) -> Serving | None:
+        """The model facts and tokenizer once ready; None while starting."""
+        name = self.model_name
+        if self.info is None or self.tokenizer is None or name is None:
+            return None
+        return Serving(name, self.info.max_model_len, self.tokenizer)
 
     async def start(self) -> None:
         """Open the channel; fetch the model info and load the tokenizer in the background."""

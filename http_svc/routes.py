@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from http_svc import convert, stream
-from http_svc.backend import SchedulerBackend
+from http_svc.backend import ChatTokenizer, SchedulerBackend, Serving
 from http_svc.errors import APIError, from_rpc, starting
 from http_svc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -25,18 +25,19 @@ router = APIRouter()
 CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer: only in the metrics
 
 
-def _backend(request: Request) -> SchedulerBackend:
+def _backend(request: Request) -> tuple[SchedulerBackend, Serving]:
     backend: SchedulerBackend = request.app.state.backend
-    if not backend.ready:
+    serving = backend.serving()
+    if serving is None:
         raise starting()
-    return backend
+    return backend, serving
 
 
-def _check(backend: SchedulerBackend, body: SamplingFields) -> None:
-    if body.model != backend.model_name:
+def _check(serving: Serving, body: SamplingFields) -> None:
+    if body.model != serving.model_name:
         raise APIError(
             404,
-            f"The model `{body.model}` does not exist; this server serves `{backend.model_name}`.",
+            f"The model `{body.model}` does not exist; this server serves `{serving.model_name}`.",
             param="model",
             code="model_not_found",
         )
@@ -67,14 +68,14 @@ async def _run(request: Request, backend: SchedulerBackend, requests: list, body
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    backend = _backend(request)
-    return convert.models_response(backend.model_name, backend.created, backend.info.max_model_len)
+    backend, serving = _backend(request)
+    return convert.models_response(serving.model_name, backend.created, serving.max_model_len)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
-    backend = _backend(request)
-    _check(backend, body)
+    backend, serving = _backend(request)
+    _check(serving, body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     sampling = convert.sampling_to_pb(body, body.max_tokens or convert.COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
     prompts = body.prompts()
@@ -82,7 +83,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         convert.generate_request(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, sampling)
         for i, p in enumerate(prompts)
     ]
-    model, created, token_text = backend.model_name, int(time.time()), backend.tokenizer.token_text
+    model, created, token_text = serving.model_name, int(time.time()), serving.tokenizer.token_text
     n_logprobs = body.logprobs
 
     async def events(messages: AsyncIterator[stream.Tagged]) -> AsyncIterator[str]:
@@ -113,8 +114,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     )
 
 
-async def _render(backend: SchedulerBackend, body: ChatCompletionRequest) -> list[int]:
-    tokenizer = backend.tokenizer
+async def _render(backend: SchedulerBackend, tokenizer: ChatTokenizer, body: ChatCompletionRequest) -> list[int]:
     if not tokenizer.chat_template:
         raise APIError(
             400,
@@ -133,14 +133,14 @@ async def _render(backend: SchedulerBackend, body: ChatCompletionRequest) -> lis
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    backend = _backend(request)
-    _check(backend, body)
-    prompt = await _render(backend, body)
+    backend, serving = _backend(request)
+    _check(serving, body)
+    prompt = await _render(backend, serving.tokenizer, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    max_tokens = body.max_new_tokens() or max(1, backend.info.max_model_len - len(prompt))
+    max_tokens = body.max_new_tokens() or max(1, serving.max_model_len - len(prompt))
     n_logprobs = body.num_logprobs()
     sampling = convert.sampling_to_pb(body, max_tokens, n_logprobs)
-    model, created, token_text = backend.model_name, int(time.time()), backend.tokenizer.token_text
+    model, created, token_text = serving.model_name, int(time.time()), serving.tokenizer.token_text
 
     async def events(messages: AsyncIterator[stream.Tagged]) -> AsyncIterator[str]:
         choice = convert.Choice(0)

@@ -47,6 +47,7 @@ needs no launch of its own for them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -527,6 +528,7 @@ def cascade_with_config(
     # Without a store and a prefix bound of 0, prefix_blocks is 0 and every prefix program
     # would return at once: no launch.
     if max_prefix_len > 0 or store is not None:
+        fused: tuple[Any, ...]  # the store's operands (placeholders without one)
         if store is None:
             fused = (q, q, q, q, q, q, seq_lens, seq_lens, 0, 0, 0, 0, 0, batch, 0.0)
             flags = dict(FUSED=False, HAS_NORM=False, FIX_BF16=False, FIX_K_CACHE=False, FIX_V_CACHE=False)

@@ -47,7 +47,7 @@ def _fix_interpreter_scalar_index() -> None:
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    patch_lang_tensor._picovllm_fixed = True
+    patch_lang_tensor._picovllm_fixed = True  # type: ignore[attr-defined]  # a marker that outlives a reload
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 

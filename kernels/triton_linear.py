@@ -180,7 +180,7 @@ def rms_norm_gemv(
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
         new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
     out = _launch_gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, new_residual=new_residual)
-    return out, x if residual is None else new_residual
+    return out, x if new_residual is None else new_residual
 
 
 def _launch_gemv(
@@ -207,8 +207,8 @@ def _launch_gemv(
     step = GEMV_ELEMS_PER_THREAD * 32 * GEMV_WARPS // block_n
     block_k = max(16, min(next_pow2(k), 64 if interpreting() else step))
     has_residual = residual is not None
-    residual = residual if has_residual else x  # unused by the kernel then
-    new_residual = new_residual if has_residual else x
+    residual = residual if residual is not None else x  # unused by the kernel then
+    new_residual = new_residual if new_residual is not None else x
     _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         residual, norm_weight if norm_weight is not None else x, new_residual, eps,

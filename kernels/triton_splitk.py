@@ -256,7 +256,9 @@ def splitk_add_residual(
         residual.shape,
         residual.dtype,
     )
-    return _launch(x, weight, bias, residual, split, block_n, None, 0.0, add_residual=True)
+    sums = _launch(x, weight, bias, residual, split, block_n, None, 0.0, add_residual=True)
+    assert sums is not None, "add_residual returns them"
+    return sums
 
 
 def _tiling(m: int, n: int, k: int, split: int | None, block_n: int | None) -> tuple[SplitKConfig, int]:

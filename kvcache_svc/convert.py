@@ -28,7 +28,7 @@ from kvcache_svc.state import BlockRecord, KVState, PoolSnapshot, SeqSnapshot
 from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
 
 _TIER_TO_PB = {Tier.DEVICE: pb.TIER_DEVICE, Tier.HOST: pb.TIER_HOST}
-_TIER_FROM_PB = {v: k for k, v in _TIER_TO_PB.items()}
+_TIER_FROM_PB: dict[int, Tier] = {v: k for k, v in _TIER_TO_PB.items()}
 
 
 def tier_from_pb(value: int) -> Tier:

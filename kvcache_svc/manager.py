@@ -176,7 +176,9 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-            hits.append((block_id, pool.blocks[block_id].token_ids))
+            held = pool.blocks[block_id].token_ids
+            assert held is not None, "a hit was compared with the block's tokens"
+            hits.append((block_id, held))
         self._recent = (data[: len(hashes) * width], hashes, extra_key)
         self._recent_hits, self._recent_epoch = hits, pool.hash_epoch
         return PrefixHit(len(block_ids) * bs, block_ids)

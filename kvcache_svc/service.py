@@ -96,15 +96,17 @@ class KVCacheService:
             raise StepOutOfOrder(f"step {step} does not follow the last applied step {self.step}")
         if self.manager is None and not (ops and isinstance(ops[0], ResetOp)):
             raise FailedPrecondition("the KV-cache service has no pools yet: reset first")
-        full_write = False
+        full_write, manager = False, self.manager
         try:
-            results = []
+            results: list[OpResult] = []
             for op in ops:
                 if isinstance(op, ResetOp):
-                    self.config, self.manager, full_write = op.config, new_manager(op.config, tracked=True), True
+                    manager, full_write = new_manager(op.config, tracked=True), True
+                    self.config, self.manager = op.config, manager
                     results.append(None)
                 else:
-                    results.append(apply_op(self.manager, op))
+                    assert manager is not None, "checked above: a step without pools starts with a reset"
+                    results.append(apply_op(manager, op))
         except Exception as exc:  # noqa: BLE001 - out of step with the scheduler
             self._drop_state(f"step {step} does not apply: {exc!r}")
             raise FailedPrecondition(f"step {step} does not apply to the KV state ({exc!r}); resync") from None
@@ -127,6 +129,7 @@ class KVCacheService:
             elif full_write:
                 self.store.write_full(export_state(self.manager, self.config, step), response.SerializeToString())
             else:  # the sequences to rewrite, gathered only for a store that writes them
+                assert self.manager is not None, "a step applied to pools"
                 dirty_seqs = {seq_id for op in ops for seq_id in seq_ids_of(op)}
                 self.store.write_step(self.manager, step, dirty_seqs, response.SerializeToString())
         except Exception as exc:  # redis down or slow: do not answer what is not durable

@@ -24,7 +24,7 @@ import json
 import logging
 from typing import Any
 
-from kvcache_svc.block_pool import BlockPool, Tier
+from kvcache_svc.block_pool import Tier
 from kvcache_svc.manager import KVCacheManager
 from kvcache_svc.ops import PoolConfig
 from kvcache_svc.state import BlockRecord, KVState, PoolSnapshot, SeqSnapshot, TrackedBlockPool
@@ -184,7 +184,7 @@ class RedisStore:
         pipe.set(self._key("result"), result)
         pipe.execute()
 
-    def _write_dirty_blocks(self, pipe: Any, tier: Tier, pool: BlockPool) -> None:
+    def _write_dirty_blocks(self, pipe: Any, tier: Tier, pool: TrackedBlockPool) -> None:
         t = int(tier)
         blocks = pool.blocks
         used = {

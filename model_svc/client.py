@@ -18,6 +18,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import grpc
 
@@ -158,7 +159,7 @@ class _StepStream:
         self._lock = threading.Lock()
         self._pending: deque[Future] = deque()
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._call = None
+        self._call: Any = None  # grpc's stream-stream call (untyped)
         try:  # a service that is down: fail now (the engine retries on its next step)
             grpc.channel_ready_future(model.channel).result(timeout=model.retry_window_s)
         except grpc.FutureTimeoutError:

@@ -33,6 +33,7 @@ import torch
 from contracts import phase_times
 from contracts.step import PLACEHOLDER
 from model_svc.attention_metadata import CASCADE_MIN_SEQS, AttentionMetadata, shared_prefix_blocks
+from model_svc.models.llama import LlamaForCausalLM
 from model_svc.transfer import PinnedStaging
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list,
         max_batch: int,
         max_blocks_per_seq: int,
@@ -222,6 +223,7 @@ class DecodeGraphs:
     def _sample(self, batch: int, cascade: bool) -> torch.Tensor:
         """The LM head on graph (batch, cascade)'s hidden states, the draws into `sampled`, and
         each draw recorded at its sequence's row (padding rows: the spare row)."""
+        assert self.sample is not None, "sampling graphs are captured only with a sampler"
         logits = self.model.compute_logits(self.outputs[(batch, cascade)])
         tokens = self.sampled[:batch]
         self.sample(logits, self.inputs.temperature[:batch], self.inputs.greedy[:batch], self.inputs.seed, out=tokens)
@@ -263,7 +265,7 @@ class DecodeGraphs:
         cascade = prefix > 0 and self.has_cascade(n, prefix)
         h.prefix_blocks[0] = prefix if cascade else 0
         sample = sampling is not None and bool(self.sample_graphs)
-        if sample:
+        if sampling is not None and sample:
             h.temperature[:n], h.greedy[:n], h.seed[0] = sampling
         staging.copy_into(self.host_buffer, self.buffer)
         staging.copy_into(tables, self.block_tables[:n, : tables.shape[1]])

@@ -15,6 +15,7 @@ import importlib
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +103,8 @@ class RotaryInputs:
 class RotaryEmbedding(nn.Module):
     """cos/sin cache for positions [0, max_positions), computed in fp32 once and stored in the
     model dtype (as HF casts cos/sin to the activations' dtype)."""
+
+    cos_sin_cache: torch.Tensor  # (P, D): [cos | sin], a buffer (declared: nn.Module types buffers as Module)
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling = RopeScaling()) -> None:
         super().__init__()
@@ -206,7 +209,7 @@ class Attention(nn.Module):
         self.ops = ops
 
     @staticmethod
-    def has_cache(kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    def has_cache(kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> TypeGuard[tuple[torch.Tensor, torch.Tensor]]:
         """A real cache, not None or the empty tensors of the profiling forward."""
         return kv_cache is not None and not (_is_empty(kv_cache[0]) or _is_empty(kv_cache[1]))
 
@@ -220,7 +223,7 @@ class Attention(nn.Module):
         stored: bool = False,  # K/V of this step are already in the cache
     ) -> torch.Tensor:  # (N, Hq, D)
         if not self.has_cache(kv_cache):
-            assert not stored, "K/V cannot have been stored without a cache"
+            assert not stored and k is not None and v is not None, "without a cache K/V come with the step"
             return self._causal_no_cache(q, k, v, attn.cu_seqlens_q)
         k_cache, v_cache = kv_cache
         if not stored:

@@ -23,6 +23,7 @@ from kernels.ops import KernelOps
 from model_svc.config import ModelConfig
 from model_svc.layers import MergedLinear, RMSNorm
 from model_svc.models import build_model
+from model_svc.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     ops: KernelOps | None = None,
-) -> tuple[nn.Module, ModelConfig]:
+) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for the directory's config and stream its safetensors weights in."""
     config = ModelConfig.from_pretrained(path)  # raises FileNotFoundError / ValueError
     files = safetensors_files(path)
@@ -107,7 +108,7 @@ def iter_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]
 
 def _expected_keys(model: nn.Module) -> set[str]:
     """Every parameter, and every shard of a merged parameter, the checkpoint must provide."""
-    keys = set()
+    keys: set[str] = set()
     for module_name, module in model.named_modules():
         for param_name, _ in module.named_parameters(recurse=False):
             full = f"{module_name}.{param_name}" if module_name else param_name
@@ -119,7 +120,7 @@ def _expected_keys(model: nn.Module) -> set[str]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into the model (casting to its dtype and device). Raises
     ValueError for an unexpected name, a wrong shape, or a parameter left unloaded."""
     params = dict(model.named_parameters())
@@ -160,7 +161,7 @@ def build_random_model(
     seed: int = 0,
     ops: KernelOps | None = None,
     std: float = 0.02,
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """Random weights: normal(0, std) everywhere, norm weights 1 + normal(0, std). The same
     seed gives the same weights on the same device type."""
     model = build_model(config, ops or select_ops(device), dtype, device)
@@ -175,7 +176,7 @@ def build_random_model(
 
 
 @torch.no_grad()
-def save_model(model: nn.Module, path: str | Path) -> Path:
+def save_model(model: LlamaForCausalLM, path: str | Path) -> Path:
     """Write config.json and model.safetensors in HF layout (merged projections split back),
     so load_model (or transformers) can read the directory. Tokenizer files are not written."""
     path = Path(path)

@@ -25,6 +25,7 @@ from model_svc.attention_metadata import CASCADE_MAX_TOKENS, AttentionMetadata, 
 from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.launched_step import LaunchedStep
 from model_svc.loader import cpu_threads, load_model, resolve_dtype
+from model_svc.models.llama import LlamaForCausalLM
 from model_svc.prefill_graphs import PrefillGraphs, supports_piecewise
 from model_svc.sampler import Sampler, SamplingBatch, make_generator, plain_row, row_problem
 from model_svc.transfer import PinnedStaging, to_device
@@ -75,7 +76,7 @@ class ModelRunner:
         device_memory_fraction: float = 0.9,
         cpu_kv_cache_bytes: int = 256 << 20,
         max_num_batched_tokens: int = 8192,
-        model: torch.nn.Module | None = None,
+        model: LlamaForCausalLM | None = None,
         enforce_eager: bool = False,
         max_num_seqs: int = 256,
         pinned_inputs: bool = True,
@@ -96,9 +97,11 @@ class ModelRunner:
             torch.set_num_threads(cpu_threads(model, torch_threads))
         self.block_size = block_size
         self.enforce_eager = enforce_eager
-        fused_sample = None
+        fused_sample: Callable[..., torch.Tensor] | None = None
         if self.ops.name == "triton":
-            from kernels.triton_sample import gumbel_sample as fused_sample
+            from kernels.triton_sample import gumbel_sample
+
+            fused_sample = gumbel_sample
         self.sampler = Sampler(fused_sample)  # before profiling: the profile runs it
         if num_device_blocks is None:
             num_device_blocks = self._profile_num_blocks(
@@ -115,8 +118,9 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None  # prefill and mixed steps of up to 2,048 tokens
         # Each sequence's latest sampled token on the device, by block-table row: placeholders
         # read it, so any number of launched steps may be ahead of what the host has read back.
-        self._last_token: torch.Tensor | None = None  # the decode graphs' own buffer while it is large enough
-        self._rows: torch.Tensor | None = None  # the prepared step's rows, in batch order (device)
+        # The decode graphs' own buffer while it is large enough (_fit_last_token).
+        self._last_token = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._rows = torch.zeros(0, dtype=torch.int64, device=self.device)  # the prepared step's rows, in batch order
         self._batch_cache: tuple[list, list, SamplingBatch] | None = None  # see _sampling_batch
         # The model service reads a step back on one thread while it launches the next on
         # another; both touch the sequences' token histories.
@@ -308,8 +312,9 @@ class ModelRunner:
             return None
         self._rows = g.rows[:n]
         sampling = None
-        if g.sample_graphs and all(st.plain is not None for st in states):
-            sampling = ([st.plain[0] for st in states], [st.plain[1] for st in states], self.sampler.next_seed())
+        plain = [st.plain for st in states if st.plain is not None]
+        if g.sample_graphs and len(plain) == len(states):
+            sampling = ([p[0] for p in plain], [p[1] for p in plain], self.sampler.next_seed())
         return g.replay_decode(
             [s.token_ids[0] for s in seqs],
             [s.start_pos for s in seqs],
@@ -363,10 +368,9 @@ class ModelRunner:
         decode graphs' padding rows use that spare one). Growing it replaces the graphs' own
         buffer, which they were captured on: from then on _graph_decode declines."""
         capacity = self.block_tables.table.shape[0]
-        if self._last_token is None or self._last_token.numel() <= capacity:
+        if self._last_token.numel() <= capacity:
             grown = torch.zeros(capacity + 1, dtype=torch.int64, device=self.device)
-            if self._last_token is not None:
-                grown[: self._last_token.numel()] = self._last_token
+            grown[: self._last_token.numel()] = self._last_token
             self._last_token = grown
 
     def _remember_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -384,27 +388,22 @@ class ModelRunner:
     def _update_seq(self, s: SeqStep) -> None:
         state = self.seqs.get(s.seq_id)
         if state is None or s.sampling is not None:
-            problem = (
-                "its first step must carry sampling params"
-                if s.sampling is None
-                else row_problem(s.sampling, self.config.vocab_size)
-            )
+            sampling = s.sampling
+            if sampling is None:
+                raise SequenceFailed(s.seq_id, "its first step must carry sampling params")
+            problem = row_problem(sampling, self.config.vocab_size)
             if problem is not None:
                 raise SequenceFailed(s.seq_id, problem)
             if state is None:
-                gen = (
-                    make_generator(s.sampling.seed, self.device)
-                    if getattr(s.sampling, "seed", None) is not None
-                    else None
-                )
+                gen = make_generator(sampling.seed, self.device) if sampling.seed is not None else None
                 prompt = list(s.prompt_token_ids or [])
                 state = _SeqState(
-                    s.sampling,
+                    sampling,
                     len(prompt),
                     token_ids=prompt,
                     generator=gen,
                     row=self.block_tables.acquire(),
-                    plain=plain_row(s.sampling),
+                    plain=plain_row(sampling),
                 )
                 self.seqs[s.seq_id] = state
         if s.table_blocks is not None:

@@ -184,9 +184,10 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Repetition (HF/vLLM: over prompt + output, logit > 0 -> /p else *p), then frequency and
     presence (OpenAI: over output tokens only). logits (B, V) fp32 -> new tensor."""
     vocab_size = logits.shape[1]
-    output_counts = _token_counts(batch.output_tokens, vocab_size) if batch.output_tokens is not None else None
+    assert batch.output_tokens is not None, "a batch with a penalty carries the output history"
+    output_counts = _token_counts(batch.output_tokens, vocab_size)
     if batch.repetition_penalty is not None:
-        assert batch.prompt_tokens is not None and output_counts is not None
+        assert batch.prompt_tokens is not None, "a repetition penalty carries the prompts too"
         seen = (_token_counts(batch.prompt_tokens, vocab_size) > 0) | (output_counts > 0)  # (B, V)
         penalty = torch.where(seen, batch.repetition_penalty[:, None], 1.0)
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -254,10 +255,10 @@ class Sampler:
         self._calls += 1
         return (self._seed + self._calls * 0x9E3779B1) & 0x7FFFFFFF
 
-    def _fused_ok(self, batch: SamplingBatch) -> bool:
-        return (
-            self.fused is not None and batch.plain and not batch.all_greedy and all(g is None for g in batch.generators)
-        )
+    @staticmethod
+    def _fused_ok(batch: SamplingBatch) -> bool:
+        """The one-pass kernel can sample this batch (when there is one)."""
+        return batch.plain and not batch.all_greedy and all(g is None for g in batch.generators)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, seqs: Sequence[Any] | None = None) -> SamplerOutput:
         """Sample every row. seqs: the rows' sequences (with a seq_id); when the batch fails,
@@ -266,15 +267,15 @@ class Sampler:
         try:
             return self._sample_batch(logits, batch)
         except Exception as exc:
-            for i in range(logits.shape[0] if seqs is not None else 0):
+            for i, seq in enumerate(seqs or ()):
                 try:
                     self._sample_batch(logits[i : i + 1], batch.row(i))
                 except Exception as row_exc:  # noqa: BLE001 - named in SequenceFailed
-                    raise SequenceFailed(seqs[i].seq_id, f"sampling failed: {row_exc!r}") from row_exc
+                    raise SequenceFailed(seq.seq_id, f"sampling failed: {row_exc!r}") from row_exc
             raise exc
 
     def _sample_batch(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        if self._fused_ok(batch):
+        if self.fused is not None and self._fused_ok(batch):
             seed = self.next_seed()
             try:
                 return SamplerOutput(token_ids=self.fused(logits, batch.temperature, batch.greedy, seed))

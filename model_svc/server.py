@@ -202,7 +202,8 @@ async def serve(config: ModelSection, max_num_seqs: int = 256, token: str | None
     stop = stop_event()
     load = asyncio.get_running_loop().run_in_executor(executor, service.load)
     stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
+    either: list[asyncio.Future[Any]] = [load, stopped]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     if load.done():
         load.result()  # a model that fails to load ends the process with the error
         freeze_heap()  # the model and torch: out of the collector's sight, so no full collection stalls a step

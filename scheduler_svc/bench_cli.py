@@ -65,6 +65,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     root = _bench_root()
     path = root / "bench" / "throughput.py"
     spec = importlib.util.spec_from_file_location("bench.throughput", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"no benchmark at {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     rest = list(args.bench_args)

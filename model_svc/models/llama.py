@@ -9,6 +9,9 @@ that q/k/v and gate/up are merged (see packed_modules_mapping).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -119,9 +122,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # (N, Hq, D), contiguous (`out` when given)
         """The qkv projection's output -> q after the per-head norm and rotary, with the rotated
         k and v written into the cache at the slots (one launch; fused Triton ops only)."""
+        store = self.fused_qk_norm_rope_store
+        assert store is not None, "called on the fused Triton ops only"
         q, k, v = self._heads(qkv)
         k_cache, v_cache = kv_cache
-        return self.fused_qk_norm_rope_store(
+        return store(
             q, k, v, rope.positions, rope.cos_sin_cache, *self._norm_args(), k_cache, v_cache, slot_mapping, out=out
         )
 
@@ -130,10 +135,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Decode over a shared prefix: query_and_store's work and cascade attention in the
         cascade's two launches (kernels.triton_cascade.cascade_decode_attention_store)."""
+        cascade = self.cascade
+        assert cascade is not None, "called when the cascade kernels fuse the store (attention())"
         q, k, v = self._heads(qkv)
-        step = self.cascade.StepKV(k, v, rope.positions, rope.cos_sin_cache, *self._norm_args(), attn.slot_mapping)
+        step = cascade.StepKV(k, v, rope.positions, rope.cos_sin_cache, *self._norm_args(), attn.slot_mapping)
         k_cache, v_cache = kv_cache
-        return self.cascade.cascade_decode_attention_store(
+        return cascade.cascade_decode_attention_store(
             q,
             step,
             k_cache,
@@ -168,6 +175,7 @@ class LlamaAttention(nn.Module):
             return self.fused_qk_norm_rope(q, k, rope.positions, rope.cos_sin_cache, *self._norm_args())
         if self.qk_norm:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+        assert rope.cos is not None and rope.sin is not None, "gathered for the torch path (RotaryEmbedding.inputs)"
         return apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
 
 
@@ -233,6 +241,7 @@ class LlamaDecoderLayer(nn.Module):
         (kernels.triton_splitk). Only layer 0's input norm runs as a kernel."""
         attention, mlp = self.self_attn, self.mlp
         qkv_proj, gemv_ops = attention.qkv_proj, attention.qkv_proj.gemv_ops
+        assert gemv_ops is not None, "on the Triton gemv ops only (LlamaModel.defers_norms)"
         if sums is None:
             x, h = self.input_layernorm(h, None)  # the new residual is h itself
             qkv = qkv_proj(x)
@@ -278,6 +287,7 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, proj: Linear
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """proj(norm(x, residual)) and the new residual, in one launch."""
+        assert proj.gemv_ops is not None, "on the Triton gemv ops only (_norms_in_gemv)"
         return proj.gemv_ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
 
 
@@ -294,6 +304,10 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
 
+    def decoder_layers(self) -> Sequence[LlamaDecoderLayer]:
+        """self.layers with its items' type (an nn.ModuleList types them as Module)."""
+        return cast("Sequence[LlamaDecoderLayer]", self.layers)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # (N,) int64
@@ -305,11 +319,11 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb.inputs(positions, gather=not self.fused)  # shared by all layers
         if self.defers_norms(x):
             sums = None
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.decoder_layers()):
                 x, sums = layer.forward_deferred(x, sums, rope, kv_caches[i] if kv_caches is not None else None, attn)
             return self.norm(x, None)[0]
         residual = None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             x, residual = layer(x, residual, rope, kv_caches[i] if kv_caches is not None else None, attn)
         x, _ = self.norm(x, residual)
         return x
@@ -327,7 +341,8 @@ class LlamaModel(nn.Module):
         that path runs (and without an MLP bias, which the fused gate|up lacks), unless forced
         (a reference model that should hold the same weights as a folded one); returns whether
         the weights are folded."""
-        layer = self.layers[0]
+        layers = self.decoder_layers()
+        layer = layers[0]
         if self.norms_folded:
             return True
         if not force and (
@@ -336,7 +351,7 @@ class LlamaModel(nn.Module):
             or layer.input_layernorm.weight.dtype not in (torch.bfloat16, torch.float16)
         ):
             return False
-        for layer in self.layers:
+        for layer in layers:
             for norm, proj in (
                 (layer.input_layernorm, layer.self_attn.qkv_proj),
                 (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
