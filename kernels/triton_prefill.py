@@ -52,8 +52,8 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     # bf16: P @ V with P as two bf16 terms (kernels.triton_common.mma_pv). Off by default here:
-    # prefill is tensor-core bound and the second product costs a third of its speed (316 ->
-    # 211 TFLOP/s for a 4k prompt on the H200, bench/results/kernels_h200.md).
+    # prefill is tensor-core bound and the second product costs a third of its speed
+    # (bench/results/kernels_h200.md).
     split_p: bool = False
     # GQA heads packed into the rows: a tile holds block_m // G tokens x the G query heads of
     # one KV head, so each K/V tile feeds all of them (taken when G divides block_m).
@@ -65,11 +65,10 @@ SHORT_QUERIES = 64  # new tokens per sequence up to which the prefill kernel tak
 
 def default_prefill_config(dtype: torch.dtype, head_dim: int, max_query_len: int = 0) -> PrefillConfig:
     """16-bit, head_dim <= 128: 128 x 128 tiles, 8 warps (two Hopper warpgroups), 3 stages
-    (the fastest of five configs measured on the H200, bench/results/kernels_h200.md). When
-    no sequence brings more than 64 new tokens (0 < max_query_len <= 64: prompts served
-    mostly from the prefix cache, short chunks), 128-row tiles would be mostly empty: 64 x 64
-    tiles at 4 warps (H200, 64 sequences x 32 new tokens over 1,056-token contexts: 120 us a
-    layer against 229), the GQA heads packed into the rows.
+    (the fastest of five configs measured, bench/results/kernels_h200.md). When no sequence
+    brings more than 64 new tokens (0 < max_query_len <= 64: prompts served mostly from the
+    prefix cache, short chunks), 128-row tiles would be mostly empty: 64 x 64 tiles at 4 warps,
+    about twice as fast there (bench/NOTES.md, "Figures behind the code's choices"), the GQA heads packed into the rows.
     Larger heads and fp32 (whose exact products run on FMA units and need many registers)
     use smaller tiles, chosen so that the compiled kernels do not spill. The interpreter uses
     16 x 16 tiles so that small test shapes still span several tiles."""
@@ -105,38 +104,16 @@ def _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M: tl.constexpr):
 # specialization whenever one of them is 1 or a multiple of 16 (a stall of a second or two).
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    cu_seqlens_q_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    scale_log2,
-    num_seqs,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_bt,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    SPLIT_P: tl.constexpr,
-    FIX_BF16: tl.constexpr,
-    HEADS: tl.constexpr,
-):
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
+    scale_log2, num_seqs,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_P: tl.constexpr, FIX_BF16: tl.constexpr, HEADS: tl.constexpr,
+):  # fmt: skip
     # HEADS query heads share each row tile (1, or all GROUP of a KV head): row r holds token
     # r // HEADS of the tile, query head program_id(1) * HEADS + r % HEADS.
     TOKENS: tl.constexpr = BLOCK_M // HEADS  # query tokens per tile
@@ -163,13 +140,8 @@ def _prefill_kernel(
         row_mask = rows < q_len
         q_pos = first_pos + offs_m // HEADS
         q_offs = (q_start + rows).to(tl.int64)
-        q = load_rows(
-            q_ptr + q_offs[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-            row_mask,
-            d_mask,
-            True,
-            D_MASK,
-        )  # (BLOCK_M, BLOCK_D)
+        q = load_rows(q_ptr + q_offs[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                      row_mask, d_mask, True, D_MASK)  # (BLOCK_M, BLOCK_D)  # fmt: skip
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -183,22 +155,12 @@ def _prefill_kernel(
             tok = n0 + offs_n
             block = tl.load(table + tok // PAGE).to(tl.int64)
             slot = tok % PAGE
-            k = load_rows(
-                k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                offs_n,
-                d_mask,
-                False,
-                D_MASK,
-            )  # (BLOCK_N, BLOCK_D)
+            k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                          offs_n, d_mask, False, D_MASK)  # (BLOCK_N, BLOCK_D)  # fmt: skip
             qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-            v = load_rows(
-                v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                offs_n,
-                d_mask,
-                False,
-                D_MASK,
-            )
+            v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                          offs_n, d_mask, False, D_MASK)  # fmt: skip
             acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
 
         # Phase 2: key tiles across the diagonal, causal mask. No row's running max stays -inf:
@@ -208,24 +170,20 @@ def _prefill_kernel(
             t_mask = tok < kv_end
             block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
             slot = tok % PAGE
-            k = load_rows(
-                k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :], t_mask, d_mask, True, D_MASK
-            )
+            k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                          t_mask, d_mask, True, D_MASK)  # fmt: skip
             qk = mma(q, tl.trans(k), PRECISION, UPCAST)
             visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
             qk = tl.where(visible, qk, float("-inf"))
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-            v = load_rows(
-                v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :], t_mask, d_mask, True, D_MASK
-            )
+            v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                          t_mask, d_mask, True, D_MASK)  # fmt: skip
             acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
 
         out = acc / l_i[:, None]
-        tl.store(
-            out_ptr + q_offs[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-            round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
-            mask=row_mask[:, None] & d_mask[None, :],
-        )
+        tl.store(out_ptr + q_offs[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
+                 mask=row_mask[:, None] & d_mask[None, :])  # fmt: skip
 
 
 def prefill_with_config(
@@ -258,40 +216,18 @@ def prefill_with_config(
     heads = group if config.pack_gqa and config.block_m % group == 0 else 1
     num_tiles = num_tokens // (config.block_m // heads) + num_seqs
     _prefill_kernel[(num_tiles, num_q_heads // heads)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        cu_seqlens_q,
-        seq_lens,
-        out,
-        scale * LOG2E,
-        num_seqs,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_pow2(head_dim)),
-        PAGE=page,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        PRECISION=dot_precision(q.dtype),
-        UPCAST=upcast_dot(q.dtype),
-        SPLIT_P=config.split_p and split_p(q.dtype),
-        FIX_BF16=fix_bf16_rounding(q.dtype),
-        HEADS=heads,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        scale * LOG2E, num_seqs,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE=page,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), SPLIT_P=config.split_p and split_p(q.dtype),
+        FIX_BF16=fix_bf16_rounding(q.dtype), HEADS=heads,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
     return out
 
 

@@ -3,13 +3,14 @@ decode batches of 33-64 (Qwen3-0.6B: 1,024 outputs from 2,048 and 3,072 inputs).
 
 With 64-row tiles such a product has few output tiles (32 at 32 columns a tile), so a kernel
 that gives each tile all of K keeps a quarter of the H200's SMs busy and walks K in a long
-chain of dependent loads; cuBLAS takes 5.8 and 8.0 us for bytes that need 1 and 1.5. Here
-each program takes one output tile over a slice of K (a grid of tiles x SPLIT), writes its
-fp32 partial sums to a workspace and takes a ticket; the tile's last program to arrive adds
-the SPLIT partials in slice order (so the result does not depend on who arrives last),
-rounds once and stores the tile, then puts the ticket counter back to zero for the next
-launch. One launch, no memset, no second kernel. The tickets are the decode kernel's arrival
-counters (kernels.triton_decode.arrival_counters): every launch of either leaves them at zero.
+chain of dependent loads, and cuBLAS takes several times what the bytes need (bench/NOTES.md,
+"Figures behind the code's choices"). Here each program takes one output tile over a slice
+of K (a grid of tiles x SPLIT), writes its fp32 partial sums to a workspace and takes a
+ticket; the tile's last program to arrive adds the SPLIT partials in slice order (so the
+result does not depend on who arrives last), rounds once and stores the tile, then puts the
+ticket counter back to zero for the next launch. One launch, no memset, no second kernel. The
+tickets are the decode kernel's arrival counters (kernels.triton_decode.arrival_counters):
+every launch of either leaves them at zero.
 
 The same kernel carries a decoder layer's deferred norms (model_svc.models.llama,
 LlamaDecoderLayer.forward_deferred): `splitk_add_residual` adds o_proj's or down_proj's output
@@ -58,25 +59,9 @@ def _workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M: tl.con
 
 
 @triton.jit
-def _store_tile(
-    total,
-    rstd,
-    resid,
-    b_ptr,
-    out_ptr,
-    sums_out_ptr,
-    pid_n,
-    num_tiles,
-    offs_m,
-    offs_n,
-    m_mask,
-    n_mask,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    ROW_SCALE: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,
-    FIX_BF16: tl.constexpr,
-):
+def _store_tile(total, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles,
+                offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS: tl.constexpr,
+                ROW_SCALE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, FIX_BF16: tl.constexpr):  # fmt: skip
     """An output tile's fp32 sums, scaled by its rows' RMSNorm factors rstd (ROW_SCALE), + bias,
     rounded once, stored; with ADD_RESIDUAL added to resid (out's tile as it was, the residual;
     rounded as the fused norm's residual add rounds) and the new rows' sums of squares over the
@@ -147,25 +132,8 @@ def _splitk_linear_kernel(
             w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(x, w, acc) if not UPCAST else acc + mma(x, w, PRECISION, UPCAST)
     if SPLIT == 1:
-        _store_tile(
-            acc,
-            rstd,
-            resid,
-            b_ptr,
-            out_ptr,
-            sums_out_ptr,
-            pid_n,
-            num_tiles,
-            offs_m,
-            offs_n,
-            m_mask,
-            n_mask,
-            stride_om,
-            HAS_BIAS,
-            ROW_SCALE,
-            ADD_RESIDUAL,
-            FIX_BF16,
-        )
+        _store_tile(acc, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles,
+                    offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS, ROW_SCALE, ADD_RESIDUAL, FIX_BF16)  # fmt: skip
     else:
         tl.store(_workspace_tile(ws_ptr, pid_s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N), acc)
         tl.debug_barrier()  # every thread's partials are written before the ticket (a release) is taken
@@ -174,28 +142,10 @@ def _splitk_linear_kernel(
             tl.store(tickets_ptr + pid_n, 0)  # ready for the next launch
             total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in tl.static_range(SPLIT):  # in slice order, whoever arrives last
-                total += tl.load(
-                    _workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N), cache_modifier=".cg"
-                )
-            _store_tile(
-                total,
-                rstd,
-                resid,
-                b_ptr,
-                out_ptr,
-                sums_out_ptr,
-                pid_n,
-                num_tiles,
-                offs_m,
-                offs_n,
-                m_mask,
-                n_mask,
-                stride_om,
-                HAS_BIAS,
-                ROW_SCALE,
-                ADD_RESIDUAL,
-                FIX_BF16,
-            )
+                total += tl.load(_workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N),
+                                 cache_modifier=".cg")  # fmt: skip
+            _store_tile(total, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles, offs_m, offs_n,
+                        m_mask, n_mask, stride_om, HAS_BIAS, ROW_SCALE, ADD_RESIDUAL, FIX_BF16)  # fmt: skip
 
 
 class SplitKConfig(NamedTuple):
@@ -208,13 +158,11 @@ class SplitKConfig(NamedTuple):
 
 def splitk_config(m: int, n: int, k: int) -> SplitKConfig:
     """On the GPU, outputs narrower than the input (o_proj, down_proj): 32-column tiles, K in 4
-    slices (Qwen3-0.6B's 1,024 outputs: 128 programs), 128-deep steps. Best of 40 tilings on
-    the H200 at 64 rows, weights from HBM: o_proj 5.58 us (cuBLAS 5.84), down_proj 6.22
-    (cuBLAS 8.00); six or eight slices, or 64-column tiles, were slower. Wider outputs (q|k|v
-    with the deferred norm): one slice, 32-column tiles, 256-deep steps, four stages: 5.55 us
-    at Qwen3-0.6B's 4,096 x 1,024, cuBLAS 5.50 (and 7.23 with the RMSNorm launch before it);
-    best of 34 tilings (64-column tiles, 64- or 128-deep steps, 3-5 stages, 8 warps: 5.58 to
-    6.3 us), two or four slices 7.3 / 10.1 us."""
+    slices (Qwen3-0.6B's 1,024 outputs: 128 programs), 128-deep steps, the best of the tilings
+    measured; six or eight slices, or 64-column tiles, were slower. Wider outputs (q|k|v with
+    the deferred norm): one slice, 32-column tiles, 256-deep steps, four stages, level with
+    cuBLAS and faster than cuBLAS plus the RMSNorm launch before it; more slices were slower.
+    The measurements: bench/NOTES.md, "Figures behind the code's choices"."""
     if n >= k:
         return SplitKConfig(32, 1, 256, 4, 4)
     return SplitKConfig(32, max(1, min(4, k // 256)), 128, 4, 4)
