@@ -189,8 +189,8 @@ def freeze_heap() -> None:
     objects, a model, a tokenizer: 10^5 objects and more) out of the garbage collector's
     sight. A step allocates a few objects per sequence (messages converted to and from
     protobuf, block ops and results), and enough of them outlive the young generations that
-    full collections ran every few dozen steps, each walking the whole start-up heap (tens of
-    ms at 256 sequences on the CPU, about 1.5-3 ms per step on average). Objects that die
+    full collections ran every few dozen steps, each walking the whole start-up heap
+    (bench/NOTES.md, "Figures behind the code's choices"). Objects that die
     later are still freed (by reference counting; only garbage cycles among the frozen
     objects are never collected)."""
     gc.collect()

@@ -105,11 +105,8 @@ def use_pdl(device: torch.device) -> bool:
     SiLU-and-mul, decode, cascade and small-batch projection kernels take it.
 
     By default only the decode graphs of small batches capture it (model_svc.cuda_graphs):
-    on the H200 (bench/results/pdl_h200.md) it made the steps of small kernels faster
-    (batch-1 decode 0.942 -> 0.883 ms a token) but the steps of large ones slower (the prefix
-    workload's uncached run 11,622 -> 11,283 and 11,247 tok/s; the headline 24,300 -> 23,863,
-    one run), for reasons not yet measured; with the split-K projections, at 64 rows, the
-    cached prefix run lost too (33,531 against 34,367 tok/s)."""
+    it made the steps of small kernels faster but the steps of large ones slower, for reasons
+    not yet measured (bench/results/pdl_h200.md; bench/NOTES.md, "Figures behind the code's choices")."""
     if device.type != "cuda" or interpreting() or not pdl_wanted():
         return False
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9

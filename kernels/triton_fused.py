@@ -291,7 +291,7 @@ def _qk_norm_rope_store_kernel(
 def heads_per_program(num_q_heads: int, num_kv_heads: int) -> int:
     """Heads a qk_norm_rope_store program takes: the largest power of two up to 8 dividing
     both head counts. One program per (token, head) made 65,536 one-warp programs for a
-    2,048-token prefill of Qwen3-0.6B, 42 us a layer on the H200."""
+    2,048-token prefill of Qwen3-0.6B, which was slow (bench/NOTES.md, "Figures behind the code's choices")."""
     heads = 8
     while num_q_heads % heads or num_kv_heads % heads:
         heads //= 2

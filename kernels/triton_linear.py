@@ -1,9 +1,9 @@
 """Projections of a few rows in Triton (decode at small batch): y = x @ W^T (+ bias), where
 the whole cost is reading W once.
 
-cuBLAS picks tile shapes made for large M; at one row on the H200, with the weights coming
-from HBM as they do in the model, its kernels for Qwen3-0.6B's projections read them at
-0.3-1.7 TB/s (o_proj 13 us for 4 MB; bench/results/linear_h200.md). `gemv` gives each program
+cuBLAS picks tile shapes made for large M; at one row, with the weights coming from HBM as
+they do in the model, its kernels for Qwen3-0.6B's projections read them far below the copy
+bandwidth (bench/results/linear_h200.md). `gemv` gives each program
 a few output columns over the whole of K, issues all of the program's weight loads at once,
 and multiplies on the CUDA cores: at one row the time is one round of memory latency plus the
 bytes, and no program waits on another (no split K, no second kernel). Two variants fold the
@@ -222,10 +222,9 @@ def _launch_gemv(
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Where gemv beats cuBLAS on the H200 with weights from HBM (bench/results/linear_h200.md):
-    every projection at one row (Qwen3-0.6B: o 3.3 vs 13.0 us, down 4.8 vs 7.4, q|k|v 4.3 vs
-    4.9, gate|up 5.3 vs 6.0), and the ones into a narrower output (o, down) up to
-    GEMV_MAX_ROWS rows. cuBLAS keeps q|k|v and gate|up from two rows, outputs wider than
+    """Where gemv beats cuBLAS with weights from HBM (bench/results/linear_h200.md): every
+    projection at one row, and the ones into a narrower output (o, down) up to GEMV_MAX_ROWS
+    rows. cuBLAS keeps q|k|v and gate|up from two rows, outputs wider than
     32768 columns, fp32 (exact tests), prefill and larger batches."""
     m = x.shape[0] if x.dim() == 2 else 0
     n, k = weight.shape
@@ -314,9 +313,8 @@ def silu_mul_linear(
 ) -> torch.Tensor:  # (M, I), dtype of x
     """SiluAndMul(x @ W^T) in one launch: the MLP's gate|up projection and its activation,
     without the (M, 2I) intermediate. Tiles: 64 rows, 32 activation columns (64 weight rows:
-    96 programs for Qwen3-0.6B's 3,072), 128-deep steps, 5 stages. On the H200 at 64 rows,
-    weights from HBM: 6.31 us against 7.32 for cuBLAS (6.09) and then the SiLU-and-mul
-    kernel."""
+    96 programs for Qwen3-0.6B's 3,072), 128-deep steps, 5 stages: faster at 64 rows than
+    cuBLAS and then the SiLU-and-mul kernel (bench/NOTES.md, "Figures behind the code's choices")."""
     two_i, k = weight.shape
     assert two_i % 2 == 0 and x.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1, (x.shape, weight.shape)
     m, inter = x.shape[0], two_i // 2

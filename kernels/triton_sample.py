@@ -13,8 +13,8 @@ Two launches. The vocabulary of each row is cut into `num_chunks` column ranges,
 each, which keep a running argmax and write their best value and column; a second kernel, one
 program per row, picks the best of its chunks (with one chunk a row the first kernel writes
 the draw and the second is not launched). One program per row (the first version) left
-an H200 mostly idle below a few hundred rows and spent ~128 us at B = 64 on 151,936 columns,
-compute-bound on the noise; chunks give every batch size about PROGRAMS_PER_SM programs per SM.
+the GPU mostly idle below a few hundred rows, compute-bound on the noise (bench/NOTES.md);
+chunks give every batch size about PROGRAMS_PER_SM programs per SM.
 
 Rows marked greedy take the plain argmax (first index among equal maxima, as torch.argmax).
 Rows with top-k, top-p, min-p, penalties, logprobs or their own seeded generator stay on the

@@ -375,8 +375,8 @@ class GrpcTransport:
         self, step: int, ops: list[Op], timeout: float, expected: list[OpResult] | None = None
     ) -> Callable[[float], list[OpResult] | None]:
         # The first attempt runs on a long-lived sender thread while the caller runs the
-        # model step; a failed one is retried when awaited. Not a gRPC `.future()`: that
-        # measured ~1 ms to issue on the CPU (a thread start per call), the hand-off ~0.05 ms.
+        # model step; a failed one is retried when awaited. Not a gRPC `.future()`: it starts
+        # a thread per call, far slower to issue than the hand-off (bench/NOTES.md).
         job = self._sender.submit(self._first_attempt, step, ops, timeout, expected)
 
         def wait(retry_until: float) -> list[OpResult] | None:

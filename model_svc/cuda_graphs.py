@@ -42,9 +42,9 @@ logger = logging.getLogger(__name__)
 # Decode graphs of up to this many rows capture programmatic dependent launch (unless
 # PICOVLLM_PDL says otherwise, kernels.triton_common.use_pdl): a step of one to a few
 # sequences is a chain of latency-bound kernels, where each one's launch overlapping the last
-# one's tail pays when steps are queued back to back (batch-1 decode, overlapped scheduling,
-# 0.936 -> 0.879 ms a token); larger steps it made slower, and so it did steps launched one
-# at a time (scheduler_svc.config.small_batch_pdl).
+# one's tail pays when steps are queued back to back (batch-1 decode, overlapped scheduling);
+# larger steps it made slower, and so it did steps launched one at a time
+# (scheduler_svc.config.small_batch_pdl; bench/NOTES.md, "PDL for small batches").
 PDL_MAX_BATCH = 8
 
 
