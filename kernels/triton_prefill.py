@@ -130,9 +130,7 @@ def _prefill_kernel(
         kv_end = tl.minimum(first_pos + TOKENS, seq_len)  # one past the last key any row sees
         full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # keys below it are seen by every row
 
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
+        offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
         D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
         d_mask = offs_d < HEAD_DIM
         rows = m_start + offs_m // HEADS  # the rows' tokens within the sequence's new ones

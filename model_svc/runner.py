@@ -29,25 +29,12 @@ from model_svc.models.llama import LlamaForCausalLM
 from model_svc.prefill_graphs import PrefillGraphs, supports_piecewise
 from model_svc.sampler import Sampler, SamplingBatch, make_generator, plain_row, row_problem
 from model_svc.transfer import PinnedStaging, to_device
+from model_svc.warmup import compile_kernels, profile_num_blocks
 
 if TYPE_CHECKING:
-    from model_svc.cuda_graphs import DecodeReplay
+    from model_svc.cuda_graphs import DecodeGraphs, DecodeReplay
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _ProfileSampling:
-    """Sampling knobs for the profiling forward: every truncation on (the costliest path)."""
-
-    temperature: float = 1.0
-    top_k: int = 50
-    top_p: float = 0.9
-    min_p: float = 0.05
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int | None = None
 
 
 @dataclass(slots=True)
@@ -97,24 +84,20 @@ class ModelRunner:
             torch.set_num_threads(cpu_threads(model, torch_threads))
         self.block_size = block_size
         self.enforce_eager = enforce_eager
-        fused_sample: Callable[..., torch.Tensor] | None = None
-        if self.ops.name == "triton":
-            from kernels.triton_sample import gumbel_sample
-
-            fused_sample = gumbel_sample
+        fused_sample = _fused_sample(self.ops.name)
         self.sampler = Sampler(fused_sample)  # before profiling: the profile runs it
+        block_bytes = KVCachePools.bytes_per_block(self.config, block_size, self.dtype)
         if num_device_blocks is None:
-            num_device_blocks = self._profile_num_blocks(
-                device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens, max_num_seqs
+            budget = (device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens, max_num_seqs)
+            num_device_blocks = profile_num_blocks(
+                self.model, self.sampler, self.device, block_size, block_bytes, *budget
             )
         if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
-            num_host_blocks = num_host_blocks(
-                num_device_blocks, KVCachePools.bytes_per_block(self.config, block_size, self.dtype)
-            )
+            num_host_blocks = num_host_blocks(num_device_blocks, block_bytes)
         self.pools = KVCachePools(self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype)
         max_len = min(self.config.max_position_embeddings, num_device_blocks * block_size)
         self.block_tables = HostBlockTables(-(-max_len // block_size))
-        self.graphs = None
+        self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # prefill and mixed steps of up to 2,048 tokens
         # Each sequence's latest sampled token on the device, by block-table row: placeholders
         # read it, so any number of launched steps may be ahead of what the host has read back.
@@ -130,26 +113,9 @@ class ModelRunner:
         self.pinned_inputs = pinned_inputs and self.device.type == "cuda"
         self._staging = PinnedStaging(self.device) if self.pinned_inputs else None
         if self.device.type == "cuda" and not enforce_eager:
-            from model_svc.cuda_graphs import PDL_MAX_BATCH, DecodeGraphs
-
-            width = self.block_tables.table.shape[1]  # blocks of the longest possible sequence
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.pools.layer_caches,
-                min(max_num_seqs, 512),
-                width,
-                self.device,
-                max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // block_size),
-                sample=fused_sample,
-                pdl_max_batch=PDL_MAX_BATCH if small_batch_pdl else 0,
-            )
-            self._last_token = self.graphs.last_token
-            if supports_piecewise(self.model):
-                self.prefill_graphs = PrefillGraphs(
-                    self.model, self.pools.layer_caches, max_num_batched_tokens, self.device
-                )
+            self._capture_graphs(max_num_seqs, max_num_batched_tokens, fused_sample, small_batch_pdl)
         if self.device.type == "cuda":
-            self._compile_kernels()
+            compile_kernels(self.model, self.sampler, self.device, self.pools.layer_caches, block_size)
         self.seqs: dict[str, _SeqState] = {}
         logger.info(
             "model runner: %s on %s (%s), kernels=%s, %d device blocks, %d host blocks",
@@ -161,6 +127,34 @@ class ModelRunner:
             num_host_blocks,
         )
 
+    def _capture_graphs(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        fused_sample: Callable[..., torch.Tensor] | None,
+        pdl: bool,
+    ) -> None:
+        """The decode graphs (their sampling graphs with the one-pass kernel) and, where the
+        layers split at the attention, the prefill graphs."""
+        from model_svc.cuda_graphs import PDL_MAX_BATCH, DecodeGraphs
+
+        width = self.block_tables.table.shape[1]  # blocks of the longest possible sequence
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.pools.layer_caches,
+            min(max_num_seqs, 512),
+            width,
+            self.device,
+            max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // self.block_size),
+            sample=fused_sample,
+            pdl_max_batch=PDL_MAX_BATCH if pdl else 0,
+        )
+        self._last_token = self.graphs.last_token
+        if supports_piecewise(self.model):
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.pools.layer_caches, max_num_batched_tokens, self.device
+            )
+
     @property
     def num_device_blocks(self) -> int:
         return self.pools.num_device_blocks
@@ -168,70 +162,6 @@ class ModelRunner:
     @property
     def num_host_blocks(self) -> int:
         return self.pools.num_host_blocks
-
-    # ----------------------------------------------------------------- sizing
-    def _profile_num_blocks(self, fraction: float, cpu_bytes: int, max_tokens: int, max_seqs: int = 256) -> int:
-        block_bytes = KVCachePools.bytes_per_block(self.config, self.block_size, self.dtype)
-        if self.device.type != "cuda":
-            return max(16, cpu_bytes // block_bytes)
-        # One forward at the largest batch without a cache measures the activation peak.
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(max_tokens, self.config.max_position_embeddings)
-        ids, positions, meta = self._dummy_prefill([n])
-        with torch.inference_mode():
-            hidden = self.model(ids, positions, [(None, None)] * self.config.num_hidden_layers, meta)
-            # The sampler at the largest batch with every truncation on (its sorts are the
-            # largest temporaries): counted in the peak, and its blocks stay in the allocator.
-            rows = min(n, max_seqs)
-            knobs = _ProfileSampling()
-            self.sampler(
-                self.model.compute_logits(hidden[-rows:]),
-                SamplingBatch.build([knobs] * rows, None, None, None, self.device),
-            )
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        in_use = torch.cuda.memory_allocated(self.device)
-        budget = int(total * fraction) - (total - free) - (peak - in_use)
-        num = budget // block_bytes
-        if num < 16:
-            raise RuntimeError(
-                f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after the weights"
-            )
-        return int(num)
-
-    def _dummy_prefill(self, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids, positions, metadata) of a prefill of token-0 prompts of these lengths
-        that writes nothing (slots -1) and whose every sequence reads block 0."""
-        dev, n = self.device, sum(lens)
-        positions = torch.cat([torch.arange(k, device=dev) for k in lens])
-        cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
-            block_tables=torch.zeros((len(lens), -(-max(lens) // self.block_size)), dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=cu,
-            is_decode=False,
-            max_query_len=max(lens),
-        )
-        return torch.zeros(n, dtype=torch.long, device=dev), positions, meta
-
-    @torch.inference_mode()
-    def _compile_kernels(self) -> None:
-        """Run once what the decode graphs do not: paged prefills with a long and with short
-        new-token runs (the prefill kernel's two tilings; nothing written: slots -1; they read
-        block 0, whatever it holds) and temperature sampling, so that their Triton kernels
-        compile at start-up, not in the middle of the first requests (a second or two each on
-        a fresh machine)."""
-        for lens in ([80], [16, 16]):  # the prefill kernel's tiles for long and for short new-token runs
-            ids, positions, meta = self._dummy_prefill(lens)
-            hidden = self.model(ids, positions, self.pools.layer_caches, meta)
-        dev = self.device
-        plain = _ProfileSampling(top_k=0, top_p=1.0, min_p=0.0)  # temperature only: the fused kernel
-        params = [plain, _ProfileSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)]
-        self.sampler(self.model.compute_logits(hidden[:2]), SamplingBatch.build(params, None, None, None, dev))
-        torch.cuda.synchronize(dev)
 
     # ----------------------------------------------------------------- the step
     def step(self, inp: StepInput) -> StepOutput:
@@ -481,6 +411,15 @@ class ModelRunner:
         )
         ids_dev, pos_dev = packed_dev[:t], packed_dev[t : 2 * t]
         return ids_dev, pos_dev, meta, sample_rows
+
+
+def _fused_sample(ops_name: str) -> Callable[..., torch.Tensor] | None:
+    """The one-pass sampling kernel on the Triton ops (imported only there), else None."""
+    if ops_name != "triton":
+        return None
+    from kernels.triton_sample import gumbel_sample
+
+    return gumbel_sample
 
 
 def _longest_first(seqs: list[SeqStep]) -> list[SeqStep]:
