@@ -36,65 +36,33 @@ from scheduler_svc.cli_args import UsageError, add_log_flags
 logger = logging.getLogger(__name__)
 
 # flag -> (section, key, type, help); flags override the environment and the YAML file. The
-# help gets the key's default from the default config appended (_default_text).
+# help gets the key's default from the default config appended (_default_text). A table, one
+# flag a line: not reformatted.
 FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--scheduler-addr": ("scheduler", "address", str, "the scheduler's public gRPC address, host:port"),
     "--kvcache-addr": ("kvcache", "address", str, "the KV-cache service's gRPC address (internal)"),
     "--model-addr": ("model", "address", str, "the model service's gRPC address (internal)"),
-    "--redis-url": (
-        "kvcache",
-        "redis_url",
-        str,
-        "Redis URL of the KV-cache metadata, e.g. redis://127.0.0.1:6379/0; one with a "
-        f"password goes in ${REDIS_URL_ENV} or --redis-url-file, never here",
-    ),
+    "--redis-url": ("kvcache", "redis_url", str, "Redis URL of the KV-cache metadata, e.g. redis://127.0.0.1:6379/0; "
+                    f"one with a password goes in ${REDIS_URL_ENV} or --redis-url-file, never here"),
     "--deployment": ("kvcache", "deployment", str, "namespace of the Redis keys"),
-    "--metrics-port": (
-        "scheduler",
-        "metrics_port",
-        int,
-        "HTTP port of the Prometheus /metrics, on the scheduler's host; 0 = off",
-    ),
+    "--metrics-port": ("scheduler", "metrics_port", int,
+                       "HTTP port of the Prometheus /metrics, on the scheduler's host; 0 = off"),
     "--max-waiting": ("scheduler", "max_waiting", int, "queued requests beyond this are refused (RESOURCE_EXHAUSTED)"),
     "--max-num-seqs": ("scheduler", "max_num_seqs", int, "sequences in one step at most"),
-    "--max-num-batched-tokens": (
-        "scheduler",
-        "max_num_batched_tokens",
-        int,
-        "tokens in one step at most (prompt chunks included)",
-    ),
+    "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", int,
+                                 "tokens in one step at most (prompt chunks included)"),
     "--max-model-len": ("scheduler", "max_model_len", int, "prompt + output tokens of one request at most"),
-    "--preemption-mode": (
-        "scheduler",
-        "preemption_mode",
-        str,
-        "swap | recompute: what a preempted request does with its KV blocks",
-    ),
-    "--drain-timeout": (
-        "scheduler",
-        "drain_timeout_s",
-        float,
-        "on SIGTERM, seconds the in-flight requests may still run",
-    ),
-    "--dependency-timeout": (
-        "scheduler",
-        "dependency_timeout_s",
-        float,
-        "seconds a request may wait on an unreachable model or KV-cache service before it gets UNAVAILABLE",
-    ),
-    "--tls-cert": (
-        "scheduler",
-        "tls_cert",
-        str,
-        "PEM certificate chain: serve the public API over TLS (with --tls-key)",
-    ),
+    "--preemption-mode": ("scheduler", "preemption_mode", str,
+                          "swap | recompute: what a preempted request does with its KV blocks"),
+    "--drain-timeout": ("scheduler", "drain_timeout_s", float,
+                        "on SIGTERM, seconds the in-flight requests may still run"),
+    "--dependency-timeout": ("scheduler", "dependency_timeout_s", float, "seconds a request may wait on an unreachable "
+                             "model or KV-cache service before it gets UNAVAILABLE"),
+    "--tls-cert": ("scheduler", "tls_cert", str,
+                   "PEM certificate chain: serve the public API over TLS (with --tls-key)"),
     "--tls-key": ("scheduler", "tls_key", str, "PEM private key of --tls-cert"),
-    "--model": (
-        "model",
-        "model",
-        str,
-        "a local Hugging Face model directory, or a repo id already in the local Hugging Face cache; never downloaded",
-    ),
+    "--model": ("model", "model", str, "a local Hugging Face model directory, or a repo id already in the local "
+                "Hugging Face cache; never downloaded"),
     "--block-size": ("model", "block_size", int, "tokens per KV-cache block (a power of two)"),
     "--num-gpu-blocks": ("model", "num_gpu_blocks", int, "device KV pool size in blocks"),
     "--num-cpu-blocks": ("model", "num_cpu_blocks", int, "host (swap) KV pool size in blocks"),
@@ -105,7 +73,7 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--port": ("http", "port", int, "the HTTP gateway's port; 0: `serve all` starts no gateway"),
     "--served-model-name": ("http", "served_model_name", str, "the model's name in the HTTP API"),
     "--chat-template": ("http", "chat_template", str, "a Jinja chat template file, for a tokenizer without one"),
-}
+}  # fmt: skip
 # What a default of None means, where the help cannot just show the value.
 NONE_MEANS = {
     "redis_url": "none, metadata in memory",
