@@ -222,7 +222,7 @@ class _Help(argparse.RawDescriptionHelpFormatter, HelpFormatter):
     """The docstring as written, and each flag's default (as picovllm's own help)."""
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     ap.add_argument(
         "--model", default="qwen3-0.6b", help="'qwen3-0.6b' or 'tiny' (random weights) or a local HF directory"
@@ -286,8 +286,72 @@ def main() -> None:
         "--check", action="store_true", help="first check greedy parity of the optimized path vs the plain one"
     )
     ap.add_argument("--out", default=None, help="write a markdown result here (default: print only)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def timed_runs(args, llm, prompts, params, dev: torch.device) -> tuple[list[tuple], list[str]]:
+    """args.repeats timed runs of the workload: (seconds, output tokens, steps, preemptions)
+    each, and a note per run (its counters, the Triton kernels it compiled)."""
+    counters, runs, run_notes = RunCounters(), [], []
+    for _ in range(max(1, args.repeats)):
+        before = counters.snapshot()
+        runs.append(timed_generate(llm, prompts, params, dev, warmup=args.warmup))
+        run_notes.append(
+            f"- {runs[-1][1] / runs[-1][0]:,.0f} tok/s, {runs[-1][2]} steps; during warm-up and run: "
+            f"{RunCounters.delta(before, counters.snapshot())}"
+        )
+        run_notes += [
+            f"  - compiled: {name}"
+            for name in counters.compiled[len(counters.compiled) - (counters.compiles - before["triton compiles"]) :]
+        ]
+    return runs, run_notes
+
+
+def service_rows(args, runner, prompts, params, tok_s: float, sync_tok_s: float, overlapped: bool) -> list[str]:
+    """The same workload through the KV-cache and model services, as table rows, then its
+    phase tables when PICOVLLM_PHASE_TIMES is set. The embedded engine must be gone: this
+    frees its runner's pools and graphs for the model service."""
+    config_path, model = runner.model_path, runner.model
+    runner.graphs = runner.prefill_graphs = runner.pools = None
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
+    svc, services = run_service(args, config_path, model if runner.random_weights else None)
+    svc_pipelined = svc.engine.pipelined
+    if args.pipeline_depth is not None:
+        svc.engine.pipeline_depth = args.pipeline_depth
+    del model
+    try:
+        svc_seconds, svc_out, svc_steps, _ = timed_generate(
+            svc, prompts, params, torch.device("cpu"), cold_cache=False, warmup=args.warmup
+        )
+    finally:
+        services.close()
+    svc_tok_s = svc_out / svc_seconds
+    ratio = f"{svc_tok_s / sync_tok_s:.1%} of embedded synchronous" + (
+        f", {svc_tok_s / tok_s:.1%} of embedded overlapped" if overlapped else ""
+    )
+    rows = [
+        f"| service (3 processes, gRPC{', pipelined' if svc_pipelined else ''}) | {svc_out} | {svc_seconds:.2f} "
+        f"| {svc_tok_s:,.0f} | | {ratio} | {svc_steps} | |"
+    ]
+    if phase_times.ENABLED:  # where each process spent the service run's steps
+        model_phases = {
+            k: (s - MODEL_PHASES_BEFORE.get(k, (0.0, 0))[0], n - MODEL_PHASES_BEFORE.get(k, (0.0, 0))[1])
+            for k, (s, n) in phase_times.load("model").items()
+        }
+        rows += [
+            "",
+            f"Phase times, service run, scheduler process ({svc_steps} steps):",
+            *phase_times.table(phase_times.snapshot(), svc_steps),
+            "",
+            "Phase times, service run, model service:",
+            *phase_times.table(model_phases, svc_steps),
+        ]
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
     env = environment()
     dev = torch.device(args.device)
     if dev.type == "cpu":
@@ -303,18 +367,7 @@ def main() -> None:
     if args.pipeline_depth is not None:
         llm.engine.pipeline_depth = args.pipeline_depth
     bw, fl = copy_bandwidth(dev), matmul_flops(dev)  # before any other process shares the device
-    counters, runs, run_notes = RunCounters(), [], []
-    for _ in range(max(1, args.repeats)):
-        before = counters.snapshot()
-        runs.append(timed_generate(llm, prompts, params, dev, warmup=args.warmup))
-        run_notes.append(
-            f"- {runs[-1][1] / runs[-1][0]:,.0f} tok/s, {runs[-1][2]} steps; during warm-up and run: "
-            f"{RunCounters.delta(before, counters.snapshot())}"
-        )
-        run_notes += [
-            f"  - compiled: {name}"
-            for name in counters.compiled[len(counters.compiled) - (counters.compiles - before["triton compiles"]) :]
-        ]
+    runs, run_notes = timed_runs(args, llm, prompts, params, dev)
     seconds, num_out, embedded_steps, embedded_preemptions = sorted(runs)[len(runs) // 2]  # the median run
     phase_rows = []
     if phase_times.ENABLED:
@@ -325,10 +378,9 @@ def main() -> None:
         ]
     tok_s = num_out / seconds
     overlapped, llm_depth = llm.engine.async_scheduling, llm.engine.pipeline_depth
-    num_device_blocks, runner_config, graphs = runner.num_device_blocks, runner.config, runner.graphs is not None
-    extra_rows = []
-    if args.peer == "hf":
-        extra_rows.append(hf_row(runner, prompts, params, tok_s))
+    # Read before a service run takes the runner's pools and graphs away.
+    num_device_blocks, graphs = runner.num_device_blocks, runner.graphs is not None
+    extra_rows = [hf_row(runner, prompts, params, tok_s)] if args.peer == "hf" else []
     if args.mode == "service":  # embedded first (the reference), then the services, same run
         sync_tok_s = tok_s
         if overlapped:  # the services step synchronously: time embedded that way too, like for like
@@ -338,47 +390,12 @@ def main() -> None:
             extra_rows.append(
                 f"| embedded, synchronous scheduling | {sync_out} | {sync_seconds:.2f} | {sync_tok_s:,.0f} | | | | |"
             )
-        config_path, model = runner.model_path, runner.model
-        # Free the embedded engine's KV pools and graphs: the model service takes its own.
-        del llm
-        runner.graphs = runner.prefill_graphs = runner.pools = None
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        svc, services = run_service(args, config_path, model if runner.random_weights else None)
-        svc_pipelined = svc.engine.pipelined
-        if args.pipeline_depth is not None:
-            svc.engine.pipeline_depth = args.pipeline_depth
-        del model
-        try:
-            svc_seconds, svc_out, svc_steps, _ = timed_generate(
-                svc, prompts, params, torch.device("cpu"), cold_cache=False, warmup=args.warmup
-            )
-        finally:
-            services.close()
-        if phase_times.ENABLED:  # where each process spent the service run's steps
-            model_phases = {
-                k: (s - MODEL_PHASES_BEFORE.get(k, (0.0, 0))[0], n - MODEL_PHASES_BEFORE.get(k, (0.0, 0))[1])
-                for k, (s, n) in phase_times.load("model").items()
-            }
-            phase_rows += [
-                "",
-                f"Phase times, service run, scheduler process ({svc_steps} steps):",
-                *phase_times.table(phase_times.snapshot(), svc_steps),
-                "",
-                "Phase times, service run, model service:",
-                *phase_times.table(model_phases, svc_steps),
-            ]
-        svc_tok_s = svc_out / svc_seconds
-        ratio = f"{svc_tok_s / sync_tok_s:.1%} of embedded synchronous" + (
-            f", {svc_tok_s / tok_s:.1%} of embedded overlapped" if overlapped else ""
-        )
-        extra_rows.append(
-            f"| service (3 processes, gRPC{', pipelined' if svc_pipelined else ''}) | {svc_out} | {svc_seconds:.2f} "
-            f"| {svc_tok_s:,.0f} | | {ratio} | "
-            f"{svc_steps} | |"
-        )
+        del llm  # the embedded engine goes before the model service takes the device
+        rows = service_rows(args, runner, prompts, params, tok_s, sync_tok_s, overlapped)
+        extra_rows.append(rows[0])
+        phase_rows += rows[1:]
     roof = (
-        roofline_tok_s(runner_config, [len(p) for p in prompts], [p.max_tokens for p in params], bw, fl)
+        roofline_tok_s(runner.config, [len(p) for p in prompts], [p.max_tokens for p in params], bw, fl)
         if dev.type == "cuda"
         else float("nan")
     )
@@ -398,10 +415,18 @@ def main() -> None:
         *run_notes,
         "",
         f"prompt tokens {sum(len(p) for p in prompts)}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul "
-        f"{fl / 1e12:.0f} TFLOP/s, "
-        f"device blocks {num_device_blocks}, kernels {runner.ops.name}, cuda graphs {graphs}, "
-        f"overlapped scheduling {overlapped} (pipeline depth {llm_depth})",
+        f"{fl / 1e12:.0f} TFLOP/s, device blocks {num_device_blocks}, kernels {runner.ops.name}, "
+        f"cuda graphs {graphs}, overlapped scheduling {overlapped} (pipeline depth {llm_depth})",
     ]
+    lines += notes(phase_rows, parity)
+    print("\n".join(lines))
+    if args.out:
+        write_result(args.out, "Offline throughput (nano-vllm workload)", env, "\n".join(lines))
+
+
+def notes(phase_rows: list[str], parity: list[str]) -> list[str]:
+    """The report's tail: the phase tables, the parity check."""
+    lines = []
     if phase_rows:
         lines += [
             "",
@@ -416,9 +441,7 @@ def main() -> None:
             "then 48 stepped together; bench/parity.py):",
             *(f"- {r}" for r in parity),
         ]
-    print("\n".join(lines))
-    if args.out:
-        write_result(args.out, "Offline throughput (nano-vllm workload)", env, "\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":
