@@ -16,14 +16,38 @@ import torch
 
 # Qwen3-0.6B's architecture (BENCHMARKS.md section 3), random bf16 weights.
 QWEN3_0_6B = dict(
-    model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-    rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True, attention_bias=False,
-    bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16",
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    torch_dtype="bfloat16",
 )
 # A small config with the same shape of work, for trying a benchmark on the CPU.
-TINY = dict(QWEN3_0_6B, vocab_size=10240, bos_token_id=1, eos_token_id=2, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, torch_dtype="float32")
+TINY = dict(
+    QWEN3_0_6B,
+    vocab_size=10240,
+    bos_token_id=1,
+    eos_token_id=2,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    torch_dtype="float32",
+)
 CONFIGS = {"qwen3-0.6b": QWEN3_0_6B, "tiny": TINY}
 
 
@@ -39,11 +63,10 @@ def model_dir_for(name_or_path: str) -> tuple[str, bool]:
 
 def build_runner(model: str, device: str, dtype: str | None, **runner_kwargs):
     """A ModelRunner for a named config (random weights) or a local directory."""
-    from model_svc.config import ModelConfig
-    from model_svc.loader import build_random_model
-    from model_svc.loader import resolve_dtype
-    from model_svc.runner import ModelRunner
     from kernels import select_ops
+    from model_svc.config import ModelConfig
+    from model_svc.loader import build_random_model, resolve_dtype
+    from model_svc.runner import ModelRunner
 
     path, random_weights = model_dir_for(model)
     dev = torch.device(device)
@@ -51,7 +74,9 @@ def build_runner(model: str, device: str, dtype: str | None, **runner_kwargs):
     prebuilt = None
     if random_weights:
         config = ModelConfig.from_pretrained(path)
-        prebuilt = build_random_model(config, torch_dtype, dev, ops=select_ops(dev, runner_kwargs.get("kernel_backend")))
+        prebuilt = build_random_model(
+            config, torch_dtype, dev, ops=select_ops(dev, runner_kwargs.get("kernel_backend"))
+        )
     runner = ModelRunner(path, device=dev, dtype=torch_dtype, model=prebuilt, **runner_kwargs)
     runner.model_path, runner.random_weights = path, random_weights  # for benches that reload it elsewhere
     return path, runner
@@ -98,7 +123,9 @@ def environment() -> dict:
         "torch": torch.__version__,
         # Absolute output paths (a scratch folder on the benchmark machine) read as the
         # repository place the result is committed to.
-        "command": " ".join(["python"] + [f"bench/results/{Path(a).name}" if a.startswith("/") else a for a in sys.argv]),
+        "command": " ".join(
+            ["python"] + [f"bench/results/{Path(a).name}" if a.startswith("/") else a for a in sys.argv]
+        ),
     }
     try:
         import triton
@@ -106,7 +133,11 @@ def environment() -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = "-"
-    info["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})"
+    info["device"] = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"CPU ({platform.processor() or platform.machine()})"
+    )
     info["host"] = host_description()
     return info
 
@@ -160,7 +191,14 @@ def write_result(path: str, title: str, env: dict, body: str) -> None:
     Path(path).write_text("\n".join(header) + body.rstrip() + "\n")
 
 
-def make_llm(model: str, device: str, dtype: str | None = None, num_gpu_blocks: int | None = None, enforce_eager: bool = False, **engine_kwargs):
+def make_llm(
+    model: str,
+    device: str,
+    dtype: str | None = None,
+    num_gpu_blocks: int | None = None,
+    enforce_eager: bool = False,
+    **engine_kwargs,
+):
     """An LLM over a ModelRunner for a named config (random weights) or a local directory,
     with no tokenizer (token-id prompts). Returns (llm, runner)."""
     from scheduler_svc.config import EngineConfig, small_batch_pdl
@@ -169,12 +207,20 @@ def make_llm(model: str, device: str, dtype: str | None = None, num_gpu_blocks: 
 
     block_size = engine_kwargs.get("block_size", 16)
     path, runner = build_runner(
-        model, device, dtype, block_size=block_size, num_device_blocks=num_gpu_blocks, enforce_eager=enforce_eager,
-        small_batch_pdl=small_batch_pdl(engine_kwargs.get("async_scheduling"), engine_kwargs.get("num_scheduler_steps", 1)),
-        max_num_seqs=engine_kwargs.get("max_num_seqs", 256), max_num_batched_tokens=engine_kwargs.get("max_num_batched_tokens", 8192),
+        model,
+        device,
+        dtype,
+        block_size=block_size,
+        num_device_blocks=num_gpu_blocks,
+        enforce_eager=enforce_eager,
+        small_batch_pdl=small_batch_pdl(engine_kwargs.get("async_scheduling")),
+        max_num_seqs=engine_kwargs.get("max_num_seqs", 256),
+        max_num_batched_tokens=engine_kwargs.get("max_num_batched_tokens", 8192),
         num_host_blocks=engine_kwargs.pop("num_cpu_blocks", 0),
     )
-    config = EngineConfig(model=path, device=device, skip_tokenizer_init=True, enforce_eager=enforce_eager, **engine_kwargs)
+    config = EngineConfig(
+        model=path, device=device, skip_tokenizer_init=True, enforce_eager=enforce_eager, **engine_kwargs
+    )
     return LLM.from_engine(LLMEngine(config, model=runner)), runner
 
 

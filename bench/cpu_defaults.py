@@ -37,12 +37,30 @@ def generate_latency(threads: int | None, repeats: int) -> tuple[float, float]:
     flags = [] if threads is None else [f"--torch-threads={threads}"]
     for _ in range(repeats):
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "scheduler_svc.cli", "generate", PROMPT, "--max-tokens", "40", "--temperature", "0",
-                        *flags], cwd=REPO, check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "scheduler_svc.cli",
+                "generate",
+                PROMPT,
+                "--max-tokens",
+                "40",
+                "--temperature",
+                "0",
+                *flags,
+            ],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
         walls.append(time.perf_counter() - start)
-        code = ("import time; from scheduler_svc import LLM, SamplingParams\n"
-                f"llm = LLM(torch_threads={threads!r}); p = SamplingParams(temperature=0, max_tokens=40)\n"
-                "llm.generate(%r, p); t = time.perf_counter(); llm.generate(%r, p); print(time.perf_counter() - t)" % (PROMPT, PROMPT))
+        code = (
+            "import time; from scheduler_svc import LLM, SamplingParams\n"
+            f"llm = LLM(torch_threads={threads!r}); p = SamplingParams(temperature=0, max_tokens=40)\n"
+            "llm.generate(%r, p); t = time.perf_counter(); llm.generate(%r, p); print(time.perf_counter() - t)"
+            % (PROMPT, PROMPT)
+        )
         out = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True).stdout
         gens.append(float(out.split()[-1]))
     return statistics.median(walls), statistics.median(gens)
@@ -64,8 +82,17 @@ def locust_rps(threads: int | None, seconds: int, users: int) -> dict[str, float
 
     sched, kv, model, metrics = _free_ports(4)
     addr = f"127.0.0.1:{sched}"
-    argv = [sys.executable, "-m", "scheduler_svc.cli", "serve", "all", f"--scheduler-addr={addr}", f"--kvcache-addr=127.0.0.1:{kv}",
-            f"--model-addr=127.0.0.1:{model}", f"--metrics-port={metrics}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "scheduler_svc.cli",
+        "serve",
+        "all",
+        f"--scheduler-addr={addr}",
+        f"--kvcache-addr=127.0.0.1:{kv}",
+        f"--model-addr=127.0.0.1:{model}",
+        f"--metrics-port={metrics}",
+    ]
     if threads is not None:
         argv.append(f"--torch-threads={threads}")
     server = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -77,17 +104,48 @@ def locust_rps(threads: int | None, seconds: int, users: int) -> dict[str, float
             time.sleep(0.2)
         with tempfile.TemporaryDirectory() as tmp:
             prefix = Path(tmp) / "run"
-            subprocess.run([sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless", "-u", str(users),
-                            "-r", str(users), "-t", f"{seconds}s", "--host", addr, "--csv", str(prefix), "--only-summary",
-                            "--workload", "short_chat", "--stop-timeout", "10"], cwd=tmp, check=True, capture_output=True,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
-            rows = {row["Name"]: row for row in csv.DictReader(open(f"{prefix}_stats.csv"))}
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "locust",
+                    "-f",
+                    str(REPO / "loadtest" / "locustfile.py"),
+                    "--headless",
+                    "-u",
+                    str(users),
+                    "-r",
+                    str(users),
+                    "-t",
+                    f"{seconds}s",
+                    "--host",
+                    addr,
+                    "--csv",
+                    str(prefix),
+                    "--only-summary",
+                    "--workload",
+                    "short_chat",
+                    "--stop-timeout",
+                    "10",
+                ],
+                cwd=tmp,
+                check=True,
+                capture_output=True,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+            )
+            with open(f"{prefix}_stats.csv") as stats:
+                rows = {row["Name"]: row for row in csv.DictReader(stats)}
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=90)
     gen = rows["Generate"]
-    return {"rps": float(gen["Requests/s"]), "failures": int(gen["Failure Count"]), "requests": int(gen["Request Count"]),
-            "ttft_p50": float(rows["TTFT"]["Median Response Time"]), "itl_p50": float(rows["ITL"]["Median Response Time"])}
+    return {
+        "rps": float(gen["Requests/s"]),
+        "failures": int(gen["Failure Count"]),
+        "requests": int(gen["Request Count"]),
+        "ttft_p50": float(rows["TTFT"]["Median Response Time"]),
+        "itl_p50": float(rows["ITL"]["Median Response Time"]),
+    }
 
 
 def main() -> None:
@@ -99,17 +157,26 @@ def main() -> None:
     args = parser.parse_args()
     old = _torch_default_threads()
     settings = [("default", None), (f"old: torch's {old} threads", old)]
-    lines = ["# CPU defaults: bundled model (stories260k), default settings vs the old ones", "",
-             f"- date: {time.strftime('%Y-%m-%d')}; host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-             f"Python {platform.python_version()}",
-             f"- command: `python bench/cpu_defaults.py --repeats {args.repeats} --seconds {args.seconds} --users {args.users}`", "",
-             "| setting | generate, whole command (s) | generate, 40 tokens in process (s) | locust short_chat req/s | TTFT p50 (ms) | ITL p50 (ms) | failures |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "# CPU defaults: bundled model (stories260k), default settings vs the old ones",
+        "",
+        f"- date: {time.strftime('%Y-%m-%d')}; host: {platform.processor() or platform.machine()}, {os.cpu_count()} "
+        "CPUs; "
+        f"Python {platform.python_version()}",
+        f"- command: `python bench/cpu_defaults.py --repeats {args.repeats} --seconds {args.seconds} --users "
+        f"{args.users}`",
+        "",
+        "| setting | generate, whole command (s) | generate, 40 tokens in process (s) | locust short_chat req/s | "
+        "TTFT p50 (ms) | ITL p50 (ms) | failures |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, threads in settings:
         wall, gen = generate_latency(threads, args.repeats)
         load = locust_rps(threads, args.seconds, args.users)
-        lines.append(f"| {name} | {wall:.2f} | {gen:.3f} | {load['rps']:.1f} | {load['ttft_p50']:.0f} | {load['itl_p50']:.0f} | "
-                     f"{load['failures']} of {load['requests']} |")
+        lines.append(
+            f"| {name} | {wall:.2f} | {gen:.3f} | {load['rps']:.1f} | {load['ttft_p50']:.0f} | {load['itl_p50']:.0f} | "
+            f"{load['failures']} of {load['requests']} |"
+        )
         print(lines[-1], file=sys.stderr, flush=True)
     report = "\n".join(lines) + "\n"
     if args.out:

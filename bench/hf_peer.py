@@ -14,16 +14,27 @@ import time
 import torch
 
 
-def run_hf_continuous_batching(model_dir: str, prompts: list[list[int]], max_tokens: list[int], temperature: float,
-                               device: torch.device, dtype: torch.dtype, timeout_s: float = 1800.0) -> tuple[float, int]:
+def run_hf_continuous_batching(
+    model_dir: str,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    temperature: float,
+    device: torch.device,
+    dtype: torch.dtype,
+    timeout_s: float = 1800.0,
+) -> tuple[float, int]:
     """Returns (seconds, output tokens) for all requests, from the first add to the last result."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     gen = GenerationConfig(
-        max_new_tokens=max(max_tokens), do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-        top_k=0 if temperature > 0 else None, top_p=1.0 if temperature > 0 else None,
-        eos_token_id=None, pad_token_id=0,  # the workload ignores EOS
+        max_new_tokens=max(max_tokens),
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_k=0 if temperature > 0 else None,
+        top_p=1.0 if temperature > 0 else None,
+        eos_token_id=None,
+        pad_token_id=0,  # the workload ignores EOS
     )
     manager = model.init_continuous_batching(generation_config=gen)
     manager.start()
@@ -33,14 +44,19 @@ def run_hf_continuous_batching(model_dir: str, prompts: list[list[int]], max_tok
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+        ids = [
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+            for i, (p, n) in enumerate(zip(prompts, max_tokens))
+        ]
         pending, tokens = set(ids), 0
         deadline = time.monotonic() + timeout_s
         while pending:
             result = manager.get_result(timeout=max(0.1, deadline - time.monotonic()))
             if result is None:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"transformers continuous batching: {len(pending)} requests unfinished after {timeout_s:.0f} s")
+                    raise TimeoutError(
+                        f"transformers continuous batching: {len(pending)} requests unfinished after {timeout_s:.0f} s"
+                    )
                 continue
             if result.request_id in pending:
                 pending.discard(result.request_id)

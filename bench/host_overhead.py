@@ -61,7 +61,10 @@ def main() -> None:
     (path / "config.json").write_text(json.dumps(small))
     config = ModelConfig.from_pretrained(path)
     runner = ModelRunner(str(path), device="cpu", num_device_blocks=20000, model=StubModel(config))
-    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", skip_tokenizer_init=True, max_num_batched_tokens=16384), model=runner)
+    engine = LLMEngine(
+        EngineConfig(model=str(path), device="cpu", skip_tokenizer_init=True, max_num_batched_tokens=16384),
+        model=runner,
+    )
     llm = LLM.from_engine(engine)
     prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)
     prof = cProfile.Profile() if args.profile else None

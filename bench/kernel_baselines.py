@@ -29,12 +29,18 @@ def sdpa_decode_fn(q, k, v, scale: float):
 
     global SDPA_BACKENDS
     q4 = q.unsqueeze(2)  # (B, Hq, 1, D)
-    candidates = SDPA_BACKENDS or [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                                   SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    candidates = SDPA_BACKENDS or [
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
     for backend in candidates:
+
         def fn(backend=backend):
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True).squeeze(2)
+
         try:
             fn()
         except RuntimeError:
@@ -93,8 +99,14 @@ def flex_paged_decode_fn(q, k_cache, v_cache, block_tables, seq_lens, scale: flo
     partial_idx = torch.zeros((batch, 1, 1, num_blocks), dtype=torch.int32, device=device)
     partial_idx[:, 0, 0, 0] = block_tables.gather(1, num_full.clamp(max=blocks_per_seq - 1)[:, None]).view(-1)
     block_mask = BlockMask.from_kv_blocks(
-        has_partial.view(batch, 1, 1), partial_idx, num_full.to(torch.int32).view(batch, 1, 1), full_idx,
-        BLOCK_SIZE=(128, PAGE), mask_mod=mask_mod, seq_lengths=(1, num_blocks * PAGE), compute_q_blocks=False,
+        has_partial.view(batch, 1, 1),
+        partial_idx,
+        num_full.to(torch.int32).view(batch, 1, 1),
+        full_idx,
+        BLOCK_SIZE=(128, PAGE),
+        mask_mod=mask_mod,
+        seq_lengths=(1, num_blocks * PAGE),
+        compute_q_blocks=False,
     )
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -20,6 +20,7 @@ import math
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +42,7 @@ from kernels.reference import (  # noqa: E402
     paged_prefill_attention_ref,
     store_kvcache_ref,
 )
+from kernels.triton_decode import default_decode_config  # noqa: E402
 from kernels.triton_ops import (  # noqa: E402
     TRITON_OPS,
     DecodeConfig,
@@ -49,7 +51,6 @@ from kernels.triton_ops import (  # noqa: E402
     pick_num_splits,
     prefill_with_config,
 )
-from kernels.triton_decode import default_decode_config  # noqa: E402
 from kernels.triton_prefill import default_prefill_config  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -60,10 +61,22 @@ PROMPT, CACHED = 4096, 3072  # prefill: a 4k-token prompt, with 0 and with 3k to
 DEVICE = "cuda"
 BATCHES = [1, 8, 32, 128, 256]
 LENGTHS = [1024, 8192, 32768]
-DECODE_VARIANTS = [DecodeConfig(64, 4, 5), DecodeConfig(64, 4, 5, split_p=False), DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 7),
-                   DecodeConfig(64, 8, 5)]
-PREFILL_VARIANTS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 128, 8, 3, split_p=True), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 5),
-                    PrefillConfig(64, 128, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(64, 64, 4, 5)]
+DECODE_VARIANTS = [
+    DecodeConfig(64, 4, 5),
+    DecodeConfig(64, 4, 5, split_p=False),
+    DecodeConfig(64, 4, 3),
+    DecodeConfig(32, 4, 7),
+    DecodeConfig(64, 8, 5),
+]
+PREFILL_VARIANTS = [
+    PrefillConfig(128, 128, 8, 3),
+    PrefillConfig(128, 128, 8, 3, split_p=True),
+    PrefillConfig(128, 64, 8, 3),
+    PrefillConfig(128, 64, 8, 5),
+    PrefillConfig(64, 128, 8, 3),
+    PrefillConfig(64, 64, 4, 3),
+    PrefillConfig(64, 64, 4, 5),
+]
 
 
 def bench_ms(fn, rep: int) -> float:
@@ -86,17 +99,20 @@ def measure_ceilings(rep: int) -> dict:
     nbytes = 2 << 30
     src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=DEVICE)
     dst = torch.empty_like(src)
-    copy_ms = bench_ms(lambda: dst.copy_(src), rep)
-    read_ms = bench_ms(lambda: src.sum(dtype=torch.float32), rep)  # read-only, for context
+    copy_ms = bench_ms(partial(dst.copy_, src), rep)
+    read_ms = bench_ms(partial(src.sum, dtype=torch.float32), rep)  # read-only, for context
     del src, dst
     n = 8192
     a = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
-    mm_ms = bench_ms(lambda: a @ b, rep)
+    mm_ms = bench_ms(partial(torch.matmul, a, b), rep)
     del a, b
     torch.cuda.empty_cache()
-    return {"copy_tbs": 2 * nbytes / copy_ms / 1e9, "read_tbs": nbytes / read_ms / 1e9,
-            "matmul_tflops": 2 * n**3 / mm_ms / 1e9}
+    return {
+        "copy_tbs": 2 * nbytes / copy_ms / 1e9,
+        "read_tbs": nbytes / read_ms / 1e9,
+        "matmul_tflops": 2 * n**3 / mm_ms / 1e9,
+    }
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -130,8 +146,14 @@ def check_correctness(gen) -> list[dict]:
     store_kvcache_ref(key, value, k_ref, v_ref, slots)
     TRITON_OPS.store_kvcache(key, value, k_cache, v_cache, slots)
     exact = torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-    rows.append({"kernel": "store_kvcache", "case": "N=4096 tokens, 1/9 skipped", "err": 0.0 if exact else float("nan"),
-                 "ok": exact})
+    rows.append(
+        {
+            "kernel": "store_kvcache",
+            "case": "N=4096 tokens, 1/9 skipped",
+            "err": 0.0 if exact else float("nan"),
+            "ok": exact,
+        }
+    )
 
     # decode: ragged batch up to 8k, shuffled blocks
     lens = [8192, 1, 5000, 17, 8000, 3333, 1024, 777]
@@ -145,8 +167,14 @@ def check_correctness(gen) -> list[dict]:
     out = TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, SCALE)
     err = rel_err(out, ref)
-    rows.append({"kernel": "paged_decode_attention", "case": f"B=8 ragged {min(lens)}..{max(lens)}", "err": err,
-                 "ok": err < 1e-2})
+    rows.append(
+        {
+            "kernel": "paged_decode_attention",
+            "case": f"B=8 ragged {min(lens)}..{max(lens)}",
+            "err": err,
+            "ok": err < 1e-2,
+        }
+    )
 
     # prefill: 4k prompt, 0 and 3k cached
     for cached in (0, CACHED):
@@ -157,14 +185,21 @@ def check_correctness(gen) -> list[dict]:
         out = TRITON_OPS.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE)
         ref = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE)
         err = rel_err(out, ref)
-        rows.append({"kernel": "paged_prefill_attention", "case": f"{PROMPT}-token prompt, {cached} cached", "err": err,
-                     "ok": err < 1e-2})
+        rows.append(
+            {
+                "kernel": "paged_prefill_attention",
+                "case": f"{PROMPT}-token prompt, {cached} cached",
+                "err": err,
+                "ok": err < 1e-2,
+            }
+        )
     torch.cuda.empty_cache()
     return rows
 
 
-def decode_table(cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_budget_s: float,
-                 rows: list[dict], on_row=lambda: None) -> list[dict]:
+def decode_table(
+    cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_budget_s: float, rows: list[dict], on_row=lambda: None
+) -> list[dict]:
     """Appends one row per (B, L) cell to rows, calling on_row after each."""
     flex_spent = 0.0
     for batch, seq_len in tqdm(cells, desc="decode cells", file=sys.stdout):
@@ -172,14 +207,22 @@ def decode_table(cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_bu
         k_cache, v_cache, block_tables, seq_lens = paged_cache(batch, seq_len, gen)
         q = torch.randn((batch, HQ, D), dtype=DTYPE, device=DEVICE, generator=gen)
         moved = kv_bytes + 2 * q.numel() * 2
-        triton_fn = lambda: TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE)  # noqa: E731
+        triton_fn = partial(TRITON_OPS.paged_decode_attention, q, k_cache, v_cache, block_tables, seq_lens, SCALE)
         out = triton_fn()
         t_ms = bench_ms(triton_fn, rep)
         graph_ms = bench_ms(graph_of(triton_fn), rep)
-        row = {"B": batch, "L": seq_len, "kv_gb": kv_bytes / 1e9, "us": t_ms * 1e3, "tbs": moved / t_ms / 1e9,
-               "graph_us": graph_ms * 1e3, "graph_pct": 100 * moved / graph_ms / 1e9 / copy_tbs,
-               "splits": pick_num_splits(batch, HKV, block_tables.shape[1] * PAGE, device_num_sms(),
-                                         default_decode_config(DTYPE, D).block_n)}
+        row = {
+            "B": batch,
+            "L": seq_len,
+            "kv_gb": kv_bytes / 1e9,
+            "us": t_ms * 1e3,
+            "tbs": moved / t_ms / 1e9,
+            "graph_us": graph_ms * 1e3,
+            "graph_pct": 100 * moved / graph_ms / 1e9 / copy_tbs,
+            "splits": pick_num_splits(
+                batch, HKV, block_tables.shape[1] * PAGE, device_num_sms(), default_decode_config(DTYPE, D).block_n
+            ),
+        }
         row["pct_copy"] = 100 * row["tbs"] / copy_tbs
 
         if with_flex and flex_spent < flex_budget_s:
@@ -209,9 +252,12 @@ def decode_table(cells, copy_tbs: float, rep: int, gen, with_flex: bool, flex_bu
         torch.cuda.empty_cache()
         rows.append(row)
         on_row()
-        tqdm.write(f"  B={batch:4d} L={seq_len:6d}: {row['us']:9.1f} us {row['tbs']:5.2f} TB/s "
-                   f"{row['pct_copy']:5.1f}% copy  sdpa {row.get('sdpa_us', float('nan')):9.1f} us  "
-                   f"flex {row.get('flex_us', float('nan')):9.1f} us", file=sys.stdout)
+        tqdm.write(
+            f"  B={batch:4d} L={seq_len:6d}: {row['us']:9.1f} us {row['tbs']:5.2f} TB/s "
+            f"{row['pct_copy']:5.1f}% copy  sdpa {row.get('sdpa_us', float('nan')):9.1f} us  "
+            f"flex {row.get('flex_us', float('nan')):9.1f} us",
+            file=sys.stdout,
+        )
     return rows
 
 
@@ -256,14 +302,29 @@ def decode_sweep(cells, copy_tbs: float, rep: int, gen) -> list[dict]:
                 if factor != 1 and splits == base:
                     continue
                 try:
-                    fn = lambda: decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, SCALE, config, splits)  # noqa: E731
+                    fn = partial(decode_with_config, q, k_cache, v_cache, block_tables, seq_lens, SCALE, config, splits)
                     fn()
                     t_ms = bench_ms(fn, rep)
-                    rows.append({"B": batch, "L": seq_len, "config": config, "splits": splits, "us": t_ms * 1e3,
-                                 "pct_copy": 100 * moved / t_ms / 1e9 / copy_tbs})
+                    rows.append(
+                        {
+                            "B": batch,
+                            "L": seq_len,
+                            "config": config,
+                            "splits": splits,
+                            "us": t_ms * 1e3,
+                            "pct_copy": 100 * moved / t_ms / 1e9 / copy_tbs,
+                        }
+                    )
                 except Exception as exc:
-                    rows.append({"B": batch, "L": seq_len, "config": config, "splits": splits,
-                                 "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"})
+                    rows.append(
+                        {
+                            "B": batch,
+                            "L": seq_len,
+                            "config": config,
+                            "splits": splits,
+                            "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}",
+                        }
+                    )
         del k_cache, v_cache
         torch.cuda.empty_cache()
     return rows
@@ -292,24 +353,41 @@ def prefill_table(configs, rep: int, gen, matmul_tflops: float) -> list[dict]:
         v_contig = contiguous_kv(v_cache, block_tables, seq_len).repeat_interleave(HQ // HKV, dim=1)
         q4 = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, Lq, D)
         if cached == 0:
-            sdpa_fn = lambda: F.scaled_dot_product_attention(q4, k_contig, v_contig, is_causal=True, scale=SCALE)  # noqa: E731
+            sdpa_fn = partial(F.scaled_dot_product_attention, q4, k_contig, v_contig, is_causal=True, scale=SCALE)
         else:
             bias = causal_lower_right(q_len, seq_len)
-            sdpa_fn = lambda: F.scaled_dot_product_attention(q4, k_contig, v_contig, attn_mask=bias, scale=SCALE)  # noqa: E731
+            sdpa_fn = partial(F.scaled_dot_product_attention, q4, k_contig, v_contig, attn_mask=bias, scale=SCALE)
         sdpa_ms = bench_ms(sdpa_fn, rep)
         sdpa_err = rel_err(sdpa_fn()[0].transpose(0, 1), ref)
         for config in configs:
-            fn = lambda: prefill_with_config(q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE, config)  # noqa: E731
+            fn = partial(prefill_with_config, q, k_cache, v_cache, block_tables, cu, seq_lens, SCALE, config)
             try:
                 err = rel_err(fn(), ref) if config != configs[0] else 0.0
                 t_ms = bench_ms(fn, rep)
-                rows.append({"cached": cached, "q_len": q_len, "config": config, "ms": t_ms, "tflops": flops / t_ms / 1e9,
-                             "pct_mm": 100 * flops / t_ms / 1e9 / matmul_tflops, "sdpa_ms": sdpa_ms,
-                             "sdpa_tflops": flops / sdpa_ms / 1e9, "err_vs_default": err, "sdpa_err": sdpa_err,
-                             "gflop": flops / 1e9})
+                rows.append(
+                    {
+                        "cached": cached,
+                        "q_len": q_len,
+                        "config": config,
+                        "ms": t_ms,
+                        "tflops": flops / t_ms / 1e9,
+                        "pct_mm": 100 * flops / t_ms / 1e9 / matmul_tflops,
+                        "sdpa_ms": sdpa_ms,
+                        "sdpa_tflops": flops / sdpa_ms / 1e9,
+                        "err_vs_default": err,
+                        "sdpa_err": sdpa_err,
+                        "gflop": flops / 1e9,
+                    }
+                )
             except Exception as exc:
-                rows.append({"cached": cached, "q_len": q_len, "config": config,
-                             "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"})
+                rows.append(
+                    {
+                        "cached": cached,
+                        "q_len": q_len,
+                        "config": config,
+                        "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}",
+                    }
+                )
         del k_cache, v_cache, k_contig, v_contig
         torch.cuda.empty_cache()
     return rows
@@ -341,20 +419,41 @@ def main() -> int:
     rep = 40 if args.quick else 100
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     props = torch.cuda.get_device_properties(0)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "gpu": props.name,
-            "sms": props.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
-            "cuda": torch.version.cuda, "command": " ".join(["python", "bench/kernels.py", *sys.argv[1:]])}
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "command": " ".join(["python", "bench/kernels.py", *sys.argv[1:]]),
+    }
 
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    results = {"ceilings": {"copy_tbs": float("nan"), "matmul_tflops": float("nan")}, "checks": [], "decode": [],
-               "host": None, "sweep": [], "prefill": []}
+    results = {
+        "ceilings": {"copy_tbs": float("nan"), "matmul_tflops": float("nan")},
+        "checks": [],
+        "decode": [],
+        "host": None,
+        "sweep": [],
+        "prefill": [],
+    }
 
     def save() -> str:
         """Rewrite the report after every section, so a run cut short still leaves one."""
         meta["wall_s"] = time.perf_counter() - started
-        text = render(meta, results["ceilings"], results["checks"], results["decode"], results["host"],
-                      results["sweep"], results["prefill"], default_decode_config(DTYPE, D), default_prefill_config(DTYPE, D))
+        text = render(
+            meta,
+            results["ceilings"],
+            results["checks"],
+            results["decode"],
+            results["host"],
+            results["sweep"],
+            results["prefill"],
+            default_decode_config(DTYPE, D),
+            default_prefill_config(DTYPE, D),
+        )
         out_path.write_text(text)
         return text
 
@@ -370,12 +469,24 @@ def main() -> int:
     batches = [1, 32, 256] if args.quick else BATCHES
     lengths = [1024, 8192] if args.quick else LENGTHS
     cells = [(b, n) for n in lengths for b in batches if 2 * b * n * HKV * D * 2 <= KV_LIMIT_BYTES]
-    run_section("decode table", decode_table, cells, ceilings["copy_tbs"], rep, gen, not args.no_flex,
-                args.flex_budget_s, results["decode"], save)
+    run_section(
+        "decode table",
+        decode_table,
+        cells,
+        ceilings["copy_tbs"],
+        rep,
+        gen,
+        not args.no_flex,
+        args.flex_budget_s,
+        results["decode"],
+        save,
+    )
     results["host"] = run_section("decode host cost, B=1 L=1k", decode_host_us, 1, 1024, gen)
     save()
     sweep_cells = [] if args.quick else [(1, 32768), (8, 32768), (32, 8192), (256, 1024), (1, 1024)]
-    results["sweep"] = run_section("decode sweep", decode_sweep, sweep_cells, ceilings["copy_tbs"], rep, gen, default=[])
+    results["sweep"] = run_section(
+        "decode sweep", decode_sweep, sweep_cells, ceilings["copy_tbs"], rep, gen, default=[]
+    )
     save()
     default_config = default_prefill_config(DTYPE, D)
     configs = [default_config] + ([] if args.quick else [c for c in PREFILL_VARIANTS if c != default_config])

@@ -23,7 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import copy_bandwidth, environment, write_result  # noqa: E402
 
 # name: (N, K) of Qwen3-0.6B (hidden 1024, 16 q heads and 8 kv heads of 128, intermediate 3072)
-SHAPES = {"q|k|v": (4096, 1024), "o": (1024, 2048), "gate|up": (6144, 1024), "down": (1024, 3072), "lm_head": (151936, 1024)}
+SHAPES = {
+    "q|k|v": (4096, 1024),
+    "o": (1024, 2048),
+    "gate|up": (6144, 1024),
+    "down": (1024, 3072),
+    "lm_head": (151936, 1024),
+}
 
 
 def graph_us(fn, copies: int = 1, calls: int = 40, reps: int = 10) -> float:
@@ -66,7 +72,8 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
     lines = [
-        "| projection | N x K | rows | cuBLAS us | gemv us | gemv TB/s | gemv % of copy | cuBLAS / gemv | max ulp diff (gemv) |",
+        "| projection | N x K | rows | cuBLAS us | gemv us | gemv TB/s | gemv % of copy | cuBLAS / gemv | max ulp "
+        "diff (gemv) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     total = {}
@@ -83,14 +90,21 @@ def main() -> None:
             else:
                 g_ulps, g = float("nan"), float("nan")
             tbs = n * k * 2 / g / 1e6
-            lines.append(f"| {name} | {n} x {k} | {m} | {cublas:.1f} | {g:.1f} | {tbs:.2f} | {tbs * 1e12 / bw:.0%} | {cublas / g:.2f}x | {g_ulps:.1f} |")
+            lines.append(
+                f"| {name} | {n} x {k} | {m} | {cublas:.1f} | {g:.1f} | {tbs:.2f} | {tbs * 1e12 / bw:.0%} | "
+                f"{cublas / g:.2f}x | {g_ulps:.1f} |"
+            )
             t = total.setdefault(m, [0.0, 0.0])
             per_step = 1 if name == "lm_head" else 28  # layers of Qwen3-0.6B
             t[0] += cublas * per_step
             t[1] += g * per_step
         del ws
-    lines += ["", f"copy bandwidth {bw / 1e12:.2f} TB/s (read + written)", "",
-              "Per decode step (28 layers + lm_head), projections only:"]
+    lines += [
+        "",
+        f"copy bandwidth {bw / 1e12:.2f} TB/s (read + written)",
+        "",
+        "Per decode step (28 layers + lm_head), projections only:",
+    ]
     lines += [f"- {m} rows: cuBLAS {c / 1e3:.3f} ms, gemv {g / 1e3:.3f} ms" for m, (c, g) in total.items()]
     print("\n".join(lines))
     if args.out:

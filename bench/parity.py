@@ -26,11 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import build_runner  # noqa: E402
 
-
 Top2 = tuple[float, tuple[int, int]]  # a step's top-2 logit gap and the two token ids
 
 
-def greedy_with_gaps(runner, prompts: list[list[int]], max_tokens: int, batched: bool = False) -> list[tuple[list[int], list[Top2]]]:
+def greedy_with_gaps(
+    runner, prompts: list[list[int]], max_tokens: int, batched: bool = False
+) -> list[tuple[list[int], list[Top2]]]:
     """Step the runner directly, one sequence at a time (batch-1 decode) or, batched, all of
     them in every step (decode batches of len(prompts)), and record, per generated token, the
     top-2 logit gap of its logits and the two tokens."""
@@ -58,7 +59,7 @@ def greedy_with_gaps(runner, prompts: list[list[int]], max_tokens: int, batched:
                 step = SeqStep(seq_id, [tok], len(tokens), True)
                 tokens.append(tok)
             runner.step(StepInput(finished=[seq_id]))
-            results.append((tokens[len(prompt):], gaps))
+            results.append((tokens[len(prompt) :], gaps))
     return results
 
 
@@ -118,35 +119,51 @@ def _greedy_batched(runner, prompts, max_tokens, params, gaps_hook) -> list[tupl
             tokens[i].append(by_seq[step.seq_id])
         steps = [SeqStep(f"p{i}", [t[-1]], len(t) - 1, True) for i, t in enumerate(tokens)]
     runner.step(StepInput(finished=[f"p{i}" for i in range(len(prompts))]))
-    return [(t[len(p):], g) for t, p, g in zip(tokens, prompts, gaps)]
+    return [(t[len(p) :], g) for t, p, g in zip(tokens, prompts, gaps)]
 
 
-def check_parity(model: str, device: str, dtype: str | None, near_tie: float, num_prompts: int = 8, max_tokens: int = 32,
-                 batched_prompts: int = 48) -> list[str]:
+def check_parity(
+    model: str,
+    device: str,
+    dtype: str | None,
+    near_tie: float,
+    num_prompts: int = 8,
+    max_tokens: int = 32,
+    batched_prompts: int = 48,
+) -> list[str]:
     """The 8 prompts one at a time (batch-1 decode), then batched_prompts prompts stepped
     together (decode batches of tens of rows: split-K, the fused gate|up, the deferred norms);
     0 skips the batched part."""
     from bench.common import model_dir_for
     from model_svc.config import ModelConfig
 
-    longest = ModelConfig.from_pretrained(model_dir_for(model)[0]).max_position_embeddings - max_tokens  # prompt + output fit
+    longest = (
+        ModelConfig.from_pretrained(model_dir_for(model)[0]).max_position_embeddings - max_tokens
+    )  # prompt + output fit
     rng = random.Random(0)
     lengths = [min(n, longest) for n in (5, 17, 31, 64, 100, 129, 250, 511)[:num_prompts]]
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
     report, margins = _compare(model, device, dtype, prompts, max_tokens, near_tie, batched=False)
     if batched_prompts:
-        batch = [[rng.randrange(3, 500) for _ in range(min(rng.randrange(5, 300), longest))] for _ in range(batched_prompts)]
+        batch = [
+            [rng.randrange(3, 500) for _ in range(min(rng.randrange(5, 300), longest))] for _ in range(batched_prompts)
+        ]
         rows, batched_margins = _compare(model, device, dtype, batch, max_tokens, near_tie, batched=True)
         margins += batched_margins
         counts = {what: sum(what in r for r in rows) for what in ("equal", "near-tie", "top-2 swap", "MISMATCH")}
-        report.append(f"{batched_prompts} prompts stepped together: all {max_tokens} tokens equal for {counts['equal']}; "
-                      f"first divergence at a near-tie for {counts['near-tie']}, at a top-2 swap for {counts['top-2 swap']}; "
-                      f"MISMATCH for {counts['MISMATCH']}")
+        report.append(
+            f"{batched_prompts} prompts stepped together: all {max_tokens} tokens equal for {counts['equal']}; "
+            f"first divergence at a near-tie for {counts['near-tie']}, at a top-2 swap for {counts['top-2 swap']}; "
+            f"MISMATCH for {counts['MISMATCH']}"
+        )
         report += [r for r in rows if "equal" not in r and "near-tie" not in r]
     if margins:
-        report.append(f"fp32 reference at all {len(margins)} divergences: the optimized path's token ahead at "
-                      f"{sum(m > 0 for m in margins)}, the plain path's at {sum(m < 0 for m in margins)}; the two candidates "
-                      f"at most {max(abs(m) for m in margins):.2e} apart (median {sorted(map(abs, margins))[len(margins) // 2]:.2e})")
+        report.append(
+            f"fp32 reference at all {len(margins)} divergences: the optimized path's token ahead at "
+            f"{sum(m > 0 for m in margins)}, the plain path's at {sum(m < 0 for m in margins)}; the two candidates "
+            f"at most {max(abs(m) for m in margins):.2e} apart (median "
+            f"{sorted(map(abs, margins))[len(margins) // 2]:.2e})"
+        )
     return report
 
 
@@ -155,7 +172,9 @@ def _compare(model, device, dtype, prompts, max_tokens, near_tie, batched: bool)
     fp32 reference's margin at each divergence (optimized token minus plain token; none for
     a plain path that is not 16-bit)."""
     blocks = sum(-(-(len(p) + max_tokens) // 16) for p in prompts) + 16  # _tables' blocks
-    _, fast = build_runner(model, device, dtype, num_device_blocks=blocks, max_num_seqs=max(8, len(prompts) if batched else 8))
+    _, fast = build_runner(
+        model, device, dtype, num_device_blocks=blocks, max_num_seqs=max(8, len(prompts) if batched else 8)
+    )
     got = greedy_with_gaps(fast, prompts, max_tokens, batched)
     folded = fast.model.model.norms_folded
     del fast
@@ -179,7 +198,9 @@ def _compare(model, device, dtype, prompts, max_tokens, near_tie, batched: bool)
             status = "top-2 swap"  # each path's token is the other's second choice (vLLM's check_logprobs_close, top 2)
         else:
             status = "MISMATCH"
-        report.append(f"prompt {i} (len {len(prompts[i])}): first divergence at token {diverge}, top-2 gap {gap:.2e}: {status}")
+        report.append(
+            f"prompt {i} (len {len(prompts[i])}): first divergence at token {diverge}, top-2 gap {gap:.2e}: {status}"
+        )
         divergences.append((len(report) - 1, prompts[i] + a[:diverge], a[diverge], b[diverge]))
     margins = []
     if divergences and dtype_is_16bit(plain_dtype):
@@ -194,7 +215,9 @@ def dtype_is_16bit(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
-def reference_margins(model: str, device: str, dtype: str | None, folded: bool, cases: list[tuple[list[int], int, int]]) -> list[float]:
+def reference_margins(
+    model: str, device: str, dtype: str | None, folded: bool, cases: list[tuple[list[int], int, int]]
+) -> list[float]:
     """For each (tokens, x, y): the fp32 logit of x minus that of y at the position after
     `tokens`, from the plain path in fp32 on the model's 16-bit weights (norm weights folded as
     the optimized model's are, then upcast, which is exact)."""
@@ -203,19 +226,36 @@ def reference_margins(model: str, device: str, dtype: str | None, folded: bool, 
     from scheduler_svc import SamplingParams
 
     blocks = max(-(-len(t) // 16) for t, _, _ in cases) + 1
-    path, plain = build_runner(model, device, dtype, num_device_blocks=blocks, kernel_backend="torch", enforce_eager=True)
+    path, plain = build_runner(
+        model, device, dtype, num_device_blocks=blocks, kernel_backend="torch", enforce_eager=True
+    )
     weights = plain.model
     del plain
     if folded:
         weights.fold_norm_weights(force=True)
-    ref = ModelRunner(path, device=device, dtype=torch.float32, model=weights.float(), kernel_backend="torch", enforce_eager=True,
-                      num_device_blocks=blocks)
+    ref = ModelRunner(
+        path,
+        device=device,
+        dtype=torch.float32,
+        model=weights.float(),
+        kernel_backend="torch",
+        enforce_eager=True,
+        num_device_blocks=blocks,
+    )
     seen = []
     margins = []
     with _logits_seen(ref, seen.append):
         for tokens, x, y in cases:
-            step = SeqStep("ref", list(tokens), 0, True, 0, list(range(-(-len(tokens) // 16))),
-                           SamplingParams(temperature=0, max_tokens=1), list(tokens))
+            step = SeqStep(
+                "ref",
+                list(tokens),
+                0,
+                True,
+                0,
+                list(range(-(-len(tokens) // 16))),
+                SamplingParams(temperature=0, max_tokens=1),
+                list(tokens),
+            )
             ref.step(StepInput(seqs=[step]))
             ref.step(StepInput(finished=["ref"]))
             logits = seen[-1][-1].float()
@@ -233,8 +273,13 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--out", default=None, help="also write the report as a result file (markdown)")
-    ap.add_argument("--prefill-p-terms", type=int, choices=[1, 2], default=None,
-                    help="experiment: prefill attention's P @ V with P as 1 or 2 bf16 terms (default: the kernel's)")
+    ap.add_argument(
+        "--prefill-p-terms",
+        type=int,
+        choices=[1, 2],
+        default=None,
+        help="experiment: prefill attention's P @ V with P as 1 or 2 bf16 terms (default: the kernel's)",
+    )
     args = ap.parse_args()
     if args.prefill_p_terms is not None:
         import dataclasses
@@ -242,11 +287,18 @@ if __name__ == "__main__":
         from kernels import triton_prefill
 
         default = triton_prefill.default_prefill_config
-        triton_prefill.default_prefill_config = lambda *a: dataclasses.replace(default(*a), split_p=args.prefill_p_terms == 2)
+        triton_prefill.default_prefill_config = lambda *a: dataclasses.replace(
+            default(*a), split_p=args.prefill_p_terms == 2
+        )
     from bench.common import environment, write_result
 
     env = environment()
     lines = check_parity(args.model, args.device, args.dtype, near_tie=1e-2)
     print("\n".join(lines))
     if args.out:
-        write_result(args.out, "Greedy parity, optimized vs plain path, with an fp32 reference", env, "\n".join(f"- {line}" for line in lines))
+        write_result(
+            args.out,
+            "Greedy parity, optimized vs plain path, with an fp32 reference",
+            env,
+            "\n".join(f"- {line}" for line in lines),
+        )

@@ -1,12 +1,12 @@
 """Plots of the committed GPU results, read from bench/results/*.md (no GPU needed):
 
-    decode_h200.png      decode attention, % of the copy bandwidth per (B, L) cell: Triton
-                         (in a CUDA graph where the eager time measures the host), SDPA, Flex
-    throughput_h200.png  headline throughput by engine version against the roofline and target
-    prefix_h200.png      prefix caching on vs off: throughput and TTFT p50 ratios of every run
-                         by engine version, against the targets
+decode_h200.png      decode attention, % of the copy bandwidth per (B, L) cell: Triton
+                     (in a CUDA graph where the eager time measures the host), SDPA, Flex
+throughput_h200.png  headline throughput by engine version against the roofline and target
+prefix_h200.png      prefix caching on vs off: throughput and TTFT p50 ratios of every run
+                     by engine version, against the targets
 
-    python bench/plots.py [--results bench/results] [--out docs/bench]
+python bench/plots.py [--results bench/results] [--out docs/bench]
 """
 
 from __future__ import annotations
@@ -102,9 +102,11 @@ def decode_plot(results: Path, out: Path) -> Path:
     ax.text(-0.6, 91.5, "90 % target (B >= 32, L >= 8k)", fontsize=8, color="grey")
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_ylabel("% of device-to-device copy bandwidth")
-    ax.set_title("Paged decode attention on the H200 (Hq=32, Hkv=8, D=128, bf16)\n"
-                 "Triton: the better of eager and CUDA-graph timing (eager measures the host at small B); SDPA, Flex: eager",
-                 fontsize=9)
+    ax.set_title(
+        "Paged decode attention on the H200 (Hq=32, Hkv=8, D=128, bf16)\n"
+        "Triton: the better of eager and CUDA-graph timing (eager measures the host at small B); SDPA, Flex: eager",
+        fontsize=9,
+    )
     ax.set_ylim(0, 110)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
     fig.tight_layout()
@@ -148,8 +150,10 @@ def prefix_plot(out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
-    for ax, k, target, title in ((axes[0], 0, 3.0, "throughput, caching on / off"),
-                                 (axes[1], 1, 5.0, "TTFT p50, caching off / on")):
+    for ax, k, target, title in (
+        (axes[0], 0, 3.0, "throughput, caching on / off"),
+        (axes[1], 1, 5.0, "TTFT p50, caching off / on"),
+    ):
         for i, (_, runs) in enumerate(PREFIX_HISTORY):
             values = [r[k] for r in runs]
             ax.scatter([i] * len(values), values, color="tab:blue", zorder=3)

@@ -35,15 +35,22 @@ def run(args, caching: bool, profile: str | None = None) -> list[dict]:
 
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.output_len)
-    llm, _ = make_llm(args.model, args.device, enable_prefix_caching=caching, max_num_batched_tokens=args.max_num_batched_tokens,
-                      async_scheduling=args.overlap)
+    llm, _ = make_llm(
+        args.model,
+        args.device,
+        enable_prefix_caching=caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        async_scheduling=args.overlap,
+    )
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # compile / warm-up
     # Warm-up at full size with an unrelated prefix (no hits for the timed runs): the first
     # batch of a shape pays one-time costs (allocator growth, pinned staging buffers) that a
     # serving engine has behind it; they are not what caching changes.
     llm.generate(make_prompts(args, rng), params)
     counters = RunCounters()
-    return [timed_run(args, llm, make_prompts(args, rng), params, caching, profile, counters) for _ in range(args.repeats)]
+    return [
+        timed_run(args, llm, make_prompts(args, rng), params, caching, profile, counters) for _ in range(args.repeats)
+    ]
 
 
 def make_prompts(args, rng: random.Random) -> list[list[int]]:
@@ -52,7 +59,9 @@ def make_prompts(args, rng: random.Random) -> list[list[int]]:
     return [prefix + [rng.randrange(10000) for _ in range(args.suffix_len)] for _ in range(args.num_requests + 1)]
 
 
-def timed_run(args, llm, prompts: list[list[int]], params, caching: bool, profile: str | None, counters: RunCounters) -> dict:
+def timed_run(
+    args, llm, prompts: list[list[int]], params, caching: bool, profile: str | None, counters: RunCounters
+) -> dict:
     llm.generate(prompts[:1], params)  # the first user of the shared prefix
     hits_before = llm.engine.kv.num_prefix_hits
     engine = llm.engine
@@ -63,7 +72,9 @@ def timed_run(args, llm, prompts: list[list[int]], params, caching: bool, profil
         first_steps = cProfile.Profile()
         first_steps.enable()
     elif profile == "device":
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        acts = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else []
+        )
         prof = torch.profiler.profile(activities=acts)
         prof.__enter__()
     phase_times.reset()
@@ -103,37 +114,67 @@ def timed_run(args, llm, prompts: list[list[int]], params, caching: bool, profil
     after = counters.snapshot()
     during = {k: after[k] - counted[k] for k in after}
     if prof is None and first_steps is None and phase_times.ENABLED:
-        print(f"== caching {'on' if caching else 'off'}: phase timers of the later {len(step_ends) - 1} steps, {seconds * 1e3:.1f} ms; "
-              f"{len(ids)} add_request calls {(added - start) * 1e3:.2f} ms; first step() calls, ms: " + ", ".join(f"{(b - a) * 1e3:.2f}" for a, b in zip([added, *step_ends], step_ends[:4])))
+        print(
+            f"== caching {'on' if caching else 'off'}: phase timers of the later {len(step_ends) - 1} steps, "
+            f"{seconds * 1e3:.1f} ms; "
+            f"{len(ids)} add_request calls {(added - start) * 1e3:.2f} ms; first step() calls, ms: "
+            + ", ".join(f"{(b - a) * 1e3:.2f}" for a, b in zip([added, *step_ends], step_ends[:4]))
+        )
         print(*phase_times.table(phase_times.snapshot(), len(step_ends) - 1), sep="\n")
     if prof is not None:
         prof.__exit__(None, None, None)
-        report_profile(prof, caching, seconds, start, added, step_ends, engine.scheduler.stats.num_steps - steps_before, len(ids))
-    return {"caching": caching, "seconds": seconds, "tok_s": tokens / seconds, "ttft_p50": percentile(ttft, 50),
-            "ttft_p99": percentile(ttft, 99), "hit_tokens": engine.kv.num_prefix_hits - hits_before,
-            "overlap": engine.async_scheduling, "during": during}
+        report_profile(
+            prof, caching, seconds, start, added, step_ends, engine.scheduler.stats.num_steps - steps_before, len(ids)
+        )
+    return {
+        "caching": caching,
+        "seconds": seconds,
+        "tok_s": tokens / seconds,
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "hit_tokens": engine.kv.num_prefix_hits - hits_before,
+        "overlap": engine.async_scheduling,
+        "during": during,
+    }
 
 
-def report_profile(prof, caching: bool, seconds: float, start: float, added: float, step_ends: list[float],
-                   num_steps: int, num_requests: int) -> None:
+def report_profile(
+    prof,
+    caching: bool,
+    seconds: float,
+    start: float,
+    added: float,
+    step_ends: list[float],
+    num_steps: int,
+    num_requests: int,
+) -> None:
     """Where a timed run's time went: the engine.step() calls' wall times (the first ones, which
     make the TTFT, one by one), the device's busy time and its kernels, and the phase timers
     when PICOVLLM_PHASE_TIMES is set."""
     walls = [(b - a) * 1e3 for a, b in zip([added, *step_ends], step_ends)]
     rest = sorted(walls[4:]) or [0.0]
-    print(f"\n== caching {'on' if caching else 'off'}: {seconds * 1e3:.1f} ms wall (profiler on), {num_steps} steps; "
-          f"{num_requests} add_request calls: {(added - start) * 1e3:.2f} ms")
-    print("first step() calls, ms: " + ", ".join(f"{w:.2f}" for w in walls[:4])
-          + f"; the rest: median {rest[len(rest) // 2]:.3f}, max {rest[-1]:.3f}, sum {sum(walls[4:]):.1f}")
+    print(
+        f"\n== caching {'on' if caching else 'off'}: {seconds * 1e3:.1f} ms wall (profiler on), {num_steps} steps; "
+        f"{num_requests} add_request calls: {(added - start) * 1e3:.2f} ms"
+    )
+    print(
+        "first step() calls, ms: "
+        + ", ".join(f"{w:.2f}" for w in walls[:4])
+        + f"; the rest: median {rest[len(rest) // 2]:.3f}, max {rest[-1]:.3f}, sum {sum(walls[4:]):.1f}"
+    )
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy_us = sum(e.self_device_time_total for e in events)
-    print(f"device busy {busy_us / 1e3:.1f} ms of {seconds * 1e3:.1f} ({busy_us / 1e6 / seconds:.0%}); "
-          f"per step {busy_us / max(1, num_steps) / 1e3:.3f} ms")
+    print(
+        f"device busy {busy_us / 1e3:.1f} ms of {seconds * 1e3:.1f} ({busy_us / 1e6 / seconds:.0%}); "
+        f"per step {busy_us / max(1, num_steps) / 1e3:.3f} ms"
+    )
     print(f"{'ms total':>9} {'calls':>7}  kernel")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
         print(f"{e.self_device_time_total / 1e3:9.2f} {e.count:7d}  {e.key[:110]}")
-    host = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
-                  key=lambda e: -e.self_cpu_time_total)[:12]
+    host = sorted(
+        (e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
+        key=lambda e: -e.self_cpu_time_total,
+    )[:12]
     print(f"{'host ms':>9} {'calls':>7}  op (self time)")
     for e in host:
         print(f"{e.self_cpu_time_total / 1e3:9.2f} {e.count:7d}  {e.key[:110]}")
@@ -150,13 +191,25 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                    help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs of each mode (each its own prefix); the ratios use the medians")
+    ap.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed runs of each mode (each its own prefix); the ratios use the medians",
+    )
     ap.add_argument("--out", default=None)
-    ap.add_argument("--profile", action="store_true",
-                    help="instead of the table: step wall times, device kernels and host ops of both timed runs, "
-                         "then the first two steps and fifty decode steps of each under cProfile")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the table: step wall times, device kernels and host ops of both timed runs, "
+        "then the first two steps and fifty decode steps of each under cProfile",
+    )
     args = ap.parse_args()
     if args.profile:
         args.repeats = 1
@@ -170,14 +223,20 @@ def main() -> None:
     lines = [
         "| prefix caching | run | seconds | output tok/s | TTFT p50 ms | TTFT p99 ms | prompt tokens from cache |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        *(f"| {'on' if r['caching'] else 'off'} | {i + 1} | {r['seconds']:.3f} | {r['tok_s']:,.0f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['hit_tokens']} |"
-          for rs in (ons, offs) for i, r in enumerate(rs)),
+        *(
+            f"| {'on' if r['caching'] else 'off'} | {i + 1} | {r['seconds']:.3f} | {r['tok_s']:,.0f} | "
+            f"{r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['hit_tokens']} |"
+            for rs in (ons, offs)
+            for i, r in enumerate(rs)
+        ),
         "",
         f"medians of {args.repeats} runs each: throughput on {on['tok_s']:,.0f}, off {off['tok_s']:,.0f} tok/s; "
         f"TTFT p50 on {on['ttft_p50']:.1f}, off {off['ttft_p50']:.1f} ms",
-        f"throughput on/off: {on['tok_s'] / off['tok_s']:.2f}x (target >= 3x); TTFT p50 off/on: {off['ttft_p50'] / on['ttft_p50']:.2f}x (target >= 5x)",
+        f"throughput on/off: {on['tok_s'] / off['tok_s']:.2f}x (target >= 3x); TTFT p50 off/on: "
+        f"{off['ttft_p50'] / on['ttft_p50']:.2f}x (target >= 5x)",
         f"overlapped scheduling: {on['overlap']}",
-        f"during the timed runs: on: {RunCounters.total(r['during'] for r in ons)}; off: {RunCounters.total(r['during'] for r in offs)}",
+        f"during the timed runs: on: {RunCounters.total(r['during'] for r in ons)}; off: "
+        f"{RunCounters.total(r['during'] for r in offs)}",
     ]
     print("\n".join(lines))
     if args.out:
@@ -186,7 +245,11 @@ def main() -> None:
 
 def median_run(runs: list[dict]) -> dict:
     """The median of each figure over the runs (throughput and TTFT separately)."""
-    return {**runs[0], "tok_s": percentile([r["tok_s"] for r in runs], 50), "ttft_p50": percentile([r["ttft_p50"] for r in runs], 50)}
+    return {
+        **runs[0],
+        "tok_s": percentile([r["tok_s"] for r in runs], 50),
+        "ttft_p50": percentile([r["ttft_p50"] for r in runs], 50),
+    }
 
 
 if __name__ == "__main__":

@@ -36,16 +36,20 @@ def setup_decode(runner, batch: int, context: int, temperature: float):
     for b in range(batch):
         table = blocks[b * per_seq : (b + 1) * per_seq]
         params = SamplingParams(temperature=temperature, max_tokens=64, ignore_eos=True)
-        steps.append(SeqStep(f"s{b}", [random.randrange(1000)], context - 1, True, 0, table, params, [1] * (context - 1)))
+        steps.append(
+            SeqStep(f"s{b}", [random.randrange(1000)], context - 1, True, 0, table, params, [1] * (context - 1))
+        )
     return steps
 
 
 def decode_steps(runner, steps, n: int) -> None:
     from contracts.step import SeqStep, StepInput
 
-    for i in range(n):
+    for _ in range(n):
         out = runner.step(StepInput(seqs=steps))
-        steps = [SeqStep(s.seq_id, [t.token_id], s.start_pos + len(s.token_ids), True) for s, t in zip(steps, out.sampled)]
+        steps = [
+            SeqStep(s.seq_id, [t.token_id], s.start_pos + len(s.token_ids), True) for s, t in zip(steps, out.sampled)
+        ]
     return steps
 
 
@@ -70,15 +74,22 @@ def main() -> None:
 
 
 def eager_profile(args, dev, per_seq, sync) -> None:
-    _, eager = build_runner(args.model, dev, None, num_device_blocks=args.batch * per_seq + 16, enforce_eager=True, max_num_seqs=args.batch)
+    _, eager = build_runner(
+        args.model, dev, None, num_device_blocks=args.batch * per_seq + 16, enforce_eager=True, max_num_seqs=args.batch
+    )
     steps = setup_decode(eager, args.batch, args.context, args.temperature)
     steps = decode_steps(eager, steps, 3)
     sync()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev == "cuda" else [])) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+        + ([torch.profiler.ProfilerActivity.CUDA] if dev == "cuda" else [])
+    ) as prof:
         steps = decode_steps(eager, steps, 5)
         sync()
     print(f"== eager decode step, batch {args.batch}, context ~{args.context}: GPU time per kernel over 5 steps")
-    print(prof.key_averages().table(sort_by="cuda_time_total" if dev == "cuda" else "cpu_time_total", row_limit=args.rows))
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total" if dev == "cuda" else "cpu_time_total", row_limit=args.rows)
+    )
     del eager, steps
 
 
@@ -121,8 +132,10 @@ def graph_steps(args, fast, sync) -> None:
         ms = (time.perf_counter() - t) / n * 1e3
         print(f"graph decode step, batch {batch}: {ms:.3f} ms/step wall (host included)")
         if torch.device(fast.device).type == "cuda":
-            print(f"  device time alone: {replay_ms(fast, batch):.3f} ms per graph replay (the forward, back to back), "
-                  f"{logits_sample_ms(fast, batch, args.temperature):.3f} ms for logits + sampling")
+            print(
+                f"  device time alone: {replay_ms(fast, batch):.3f} ms per graph replay (the forward, back to back), "
+                f"{logits_sample_ms(fast, batch, args.temperature):.3f} ms for logits + sampling"
+            )
         if args.host_profile:
             import cProfile
             import pstats

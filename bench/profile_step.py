@@ -33,9 +33,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--num-scheduler-steps", type=int, default=1)
-    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                    help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)")
+    ap.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)",
+    )
     ap.add_argument("--top", type=int, default=35)
     args = ap.parse_args()
     prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)
@@ -49,7 +52,10 @@ def main() -> None:
     seconds = time.perf_counter() - t
     n = sum(len(o.token_ids) for o in outs)
     steps = llm.engine.scheduler.stats.num_steps
-    print(f"{n} tokens in {seconds:.2f} s under cProfile: {n / seconds:,.0f} tok/s, {steps} steps, {seconds / steps * 1e3:.2f} ms/step")
+    print(
+        f"{n} tokens in {seconds:.2f} s under cProfile: {n / seconds:,.0f} tok/s, {steps} steps, "
+        f"{seconds / steps * 1e3:.2f} ms/step"
+    )
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 
 

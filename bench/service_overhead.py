@@ -58,7 +58,10 @@ def median_run(fn, repeats: int) -> dict:
 def run_engine(engine, prompts, max_tokens) -> tuple[float, int, dict[str, list[int]]]:
     from scheduler_svc import SamplingParams
 
-    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, max_tokens)]
+    ids = [
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+        for p, m in zip(prompts, max_tokens)
+    ]
     outputs: dict[str, list[int]] = {}
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished():
@@ -105,15 +108,27 @@ class Services:
         self.procs: list[subprocess.Popen] = []
         self.start("kvcache", *([f"--redis-url={redis_url}", f"--deployment=bench{free_port()}"] if redis_url else []))
         if model_args is None:
-            model_args = ["--device=cpu", "--torch-threads=1", f"--num-gpu-blocks={NUM_DEVICE_BLOCKS}", f"--num-cpu-blocks={NUM_HOST_BLOCKS}"]
+            model_args = [
+                "--device=cpu",
+                "--torch-threads=1",
+                f"--num-gpu-blocks={NUM_DEVICE_BLOCKS}",
+                f"--num-cpu-blocks={NUM_HOST_BLOCKS}",
+            ]
         self.start("model", *model_args)
 
     def start(self, kind: str, *args: str) -> None:
         from contracts.health import check_health
 
         cmd = [sys.executable, "-m", "scheduler_svc.cli", "serve", kind, *self.common, *args]
-        self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                           env={**os.environ, "PICOVLLM_INTERNAL_TOKEN": self.token}))
+        self.procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={**os.environ, "PICOVLLM_INTERNAL_TOKEN": self.token},
+            )
+        )
         deadline = time.monotonic() + 120
         while not check_health(self.addr[kind], timeout=0.5):
             if time.monotonic() > deadline or self.procs[-1].poll() is not None:
@@ -148,8 +163,13 @@ def bench_service_engine(services: Services, prompts, max_tokens, repeats: int, 
     def once() -> dict:
         kv.num_commits, kv.commit_seconds, model.num_steps, model.step_seconds = 0, 0.0, 0, 0.0
         seconds, steps, outputs = run_engine(engine, prompts, max_tokens)
-        return dict(seconds=seconds, steps=steps, outputs=outputs, apply_ms=1e3 * kv.commit_seconds / max(kv.num_commits, 1),
-                    step_ms=1e3 * model.step_seconds / max(model.num_steps, 1))
+        return dict(
+            seconds=seconds,
+            steps=steps,
+            outputs=outputs,
+            apply_ms=1e3 * kv.commit_seconds / max(kv.num_commits, 1),
+            step_ms=1e3 * model.step_seconds / max(model.num_steps, 1),
+        )
 
     result = median_run(once, repeats)
     # The floor of one Step call: an empty step (no sequences) does no model work.
@@ -186,15 +206,18 @@ def start_redis() -> tuple[subprocess.Popen | None, str | None]:
     if shutil.which("redis-server") is None:
         return None, None
     port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     time.sleep(0.5)
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def versions() -> dict[str, str]:
-    import grpc
     import google.protobuf
+    import grpc
     import torch
 
     from bench.common import environment
@@ -218,7 +241,8 @@ def versions() -> dict[str, str]:
 def row(name: str, r: dict, tokens: int, base: dict) -> str:
     tok_s = tokens / r["seconds"]
     ms = f"{1e3 * r['seconds'] / r['steps']:.2f}" if "steps" in r else "-"
-    return f"| {name} | {r['seconds']:.2f} | {tok_s:,.0f} | {tok_s / (tokens / base['seconds']):.0%} | {r.get('steps', '-')} | {ms} |"
+    share = tok_s / (tokens / base["seconds"])
+    return f"| {name} | {r['seconds']:.2f} | {tok_s:,.0f} | {share:.0%} | {r.get('steps', '-')} | {ms} |"
 
 
 def main() -> None:
@@ -246,11 +270,16 @@ def main() -> None:
         for store, url in variants:
             services = Services(url)
             try:
-                results[f"service ({store} store), engine here"] = bench_service_engine(services, prompts, max_tokens, args.repeats)
+                results[f"service ({store} store), engine here"] = bench_service_engine(
+                    services, prompts, max_tokens, args.repeats
+                )
                 results[f"service ({store} store), engine here, pipelined"] = bench_service_engine(
-                    services, prompts, max_tokens, args.repeats, pipelined=True)
+                    services, prompts, max_tokens, args.repeats, pipelined=True
+                )
                 if store == "memory":
-                    results[f"service ({store} store), Generate"] = bench_generate(services, prompts, max_tokens, args.repeats)
+                    results[f"service ({store} store), Generate"] = bench_generate(
+                        services, prompts, max_tokens, args.repeats
+                    )
             finally:
                 services.close()
     finally:
@@ -259,14 +288,23 @@ def main() -> None:
     for name, r in results.items():
         assert r["outputs"] == base["outputs"], f"{name}: outputs differ from embedded mode"
 
-    lines = [f"Workload: {args.num_seqs} requests, prompts of 16-200 random token ids, 64-256 output tokens each "
-             f"({tokens} in all), greedy, ignore_eos; bundled stories260k, fp32; device pool {NUM_DEVICE_BLOCKS} blocks, "
-             f"host pool {NUM_HOST_BLOCKS}. Every mode produced the same tokens.", "",
-             "| mode | seconds | tok/s | vs embedded | steps | ms/step |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"Workload: {args.num_seqs} requests, prompts of 16-200 random token ids, 64-256 output tokens each "
+        f"({tokens} in all), greedy, ignore_eos; bundled stories260k, fp32; device pool {NUM_DEVICE_BLOCKS} blocks, "
+        f"host pool {NUM_HOST_BLOCKS}. Every mode produced the same tokens.",
+        "",
+        "| mode | seconds | tok/s | vs embedded | steps | ms/step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     lines += [row(name, r, tokens, base) for name, r in results.items()]
-    lines += ["", "Per-step cost of the internal calls (engine here; means over the median run):", "",
-              "| store | ApplyStep ms | model Step ms (remote) | model ms (embedded, local) | empty Step ms (RPC floor) | RPC overhead ms/step |",
-              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "Per-step cost of the internal calls (engine here; means over the median run):",
+        "",
+        "| store | ApplyStep ms | model Step ms (remote) | model ms (embedded, local) | empty Step ms (RPC floor) | "
+        "RPC overhead ms/step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, r in results.items():
         if "apply_ms" in r:
             pipelined = name.endswith("pipelined")
@@ -274,12 +312,18 @@ def main() -> None:
                 step, overhead = "- (streamed)", "-"
             else:
                 step, overhead = f"{r['step_ms']:.3f}", f"{r['apply_ms'] + r['step_ms'] - base['model_ms']:.3f}"
-            lines.append(f"| {name.split('(')[1].split()[0]}{', pipelined' if pipelined else ''} | {r['apply_ms']:.3f} | {step} | {base['model_ms']:.3f} "
-                         f"| {r['empty_step_ms']:.3f} | {overhead} |")
-    lines += ["", "RPC overhead = ApplyStep + remote Step - local model time (the KV ops on the scheduler's local copy "
-              "cost the same in both modes). ApplyStep overlaps the model call: its column is the engine's time spent on it "
-              "outside that call. Each figure is from the median of the runs; the services share the machine's "
-              "cores with the benchmark, so compare figures as ratios within one run."]
+            lines.append(
+                f"| {name.split('(')[1].split()[0]}{', pipelined' if pipelined else ''} | {r['apply_ms']:.3f} | "
+                f"{step} | {base['model_ms']:.3f} "
+                f"| {r['empty_step_ms']:.3f} | {overhead} |"
+            )
+    lines += [
+        "",
+        "RPC overhead = ApplyStep + remote Step - local model time (the KV ops on the scheduler's local copy "
+        "cost the same in both modes). ApplyStep overlaps the model call: its column is the engine's time spent on it "
+        "outside that call. Each figure is from the median of the runs; the services share the machine's "
+        "cores with the benchmark, so compare figures as ratios within one run.",
+    ]
     body = "\n".join(lines)
     print(body)
     if args.out:

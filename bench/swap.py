@@ -25,12 +25,20 @@ def run(args, mode: str) -> dict:
     from scheduler_svc import SamplingParams
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(10000) for _ in range(rng.randint(args.min_len, args.max_len))] for _ in range(args.num_requests)]
+    prompts = [
+        [rng.randrange(10000) for _ in range(rng.randint(args.min_len, args.max_len))] for _ in range(args.num_requests)
+    ]
     outputs = [rng.randint(args.min_len, args.max_len) for _ in prompts]
     peak_blocks = sum(-(-(len(p) + o) // 16) for p, o in zip(prompts, outputs))
     device_blocks = peak_blocks // 4
-    llm, runner = make_llm(args.model, args.device, num_gpu_blocks=device_blocks, num_cpu_blocks=peak_blocks, preemption_mode=mode,
-                           enable_prefix_caching=False)
+    llm, runner = make_llm(
+        args.model,
+        args.device,
+        num_gpu_blocks=device_blocks,
+        num_cpu_blocks=peak_blocks,
+        preemption_mode=mode,
+        enable_prefix_caching=False,
+    )
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o) for o in outputs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     sync = device_sync(args.device)
@@ -42,8 +50,15 @@ def run(args, mode: str) -> dict:
     stats = llm.engine.scheduler.stats
     block_bytes = KVCachePools.bytes_per_block(runner.config, 16, runner.dtype)
     moved = (stats.num_swapped_out_blocks + stats.num_swapped_in_blocks) * block_bytes
-    return {"mode": mode, "seconds": seconds, "tok_s": sum(len(o.token_ids) for o in outs) / seconds, "preemptions": stats.num_preemptions,
-            "moved_gb": moved / 1e9, "device_blocks": device_blocks, "peak_blocks": peak_blocks}
+    return {
+        "mode": mode,
+        "seconds": seconds,
+        "tok_s": sum(len(o.token_ids) for o in outs) / seconds,
+        "preemptions": stats.num_preemptions,
+        "moved_gb": moved / 1e9,
+        "device_blocks": device_blocks,
+        "peak_blocks": peak_blocks,
+    }
 
 
 def main() -> None:
@@ -59,11 +74,15 @@ def main() -> None:
     results = [run(args, "swap"), run(args, "recompute")]
     r0 = results[0]
     lines = [
-        f"device pool {r0['device_blocks']} blocks = a quarter of the peak need ({r0['peak_blocks']} blocks of 16 tokens)",
+        f"device pool {r0['device_blocks']} blocks = a quarter of the peak need ({r0['peak_blocks']} blocks of 16 "
+        "tokens)",
         "",
         "| preemption | seconds | output tok/s | preemptions | bytes moved between pools |",
         "| --- | ---: | ---: | ---: | ---: |",
-        *(f"| {r['mode']} | {r['seconds']:.2f} | {r['tok_s']:,.0f} | {r['preemptions']} | {r['moved_gb']:.2f} GB |" for r in results),
+        *(
+            f"| {r['mode']} | {r['seconds']:.2f} | {r['tok_s']:,.0f} | {r['preemptions']} | {r['moved_gb']:.2f} GB |"
+            for r in results
+        ),
     ]
     print("\n".join(lines))
     if args.out:

@@ -49,7 +49,9 @@ class Credentials:
     api_key: str | None = field(default=None, repr=False)
 
 
-def read_secret(var: str, path: str | None = None, env: Mapping[str, str] | None = None, check: bool = True) -> str | None:
+def read_secret(
+    var: str, path: str | None = None, env: Mapping[str, str] | None = None, check: bool = True
+) -> str | None:
     """The secret named by environment variable `var`: from the file `path` (a flag), else the
     file named by `${var}_FILE`, else `$var` itself; None when none is set. Surrounding
     whitespace (a file's trailing newline) is dropped. `check`: refuse a value that cannot be

@@ -116,8 +116,14 @@ def status_code_for(exc: BaseException) -> grpc.StatusCode:
 # own request and go out as they are, any address in them masked; other codes' details can
 # name internal peers or quote a store's errors, so the caller gets a fixed line and the log
 # the detail. An exception with `public = True` is worded for callers (starting, draining).
-_CALLER_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
-                           grpc.StatusCode.OUT_OF_RANGE})
+_CALLER_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
 _PUBLIC_TEXT = {
     grpc.StatusCode.UNAVAILABLE: "the service is temporarily unavailable; try again later",
     grpc.StatusCode.INTERNAL: "internal error (the server log has the details)",
@@ -212,13 +218,22 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, self.public), _tolerant(handler.request_deserializer), handler.response_serializer)
+                _wrap_unary(handler.unary_unary, self.public),
+                _tolerant(handler.request_deserializer),
+                handler.response_serializer,
+            )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, self.public), _tolerant(handler.request_deserializer), handler.response_serializer)
+                _wrap_stream(handler.unary_stream, self.public),
+                _tolerant(handler.request_deserializer),
+                handler.response_serializer,
+            )
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream, self.public), handler.request_deserializer, handler.response_serializer)
+                _wrap_stream(handler.stream_stream, self.public),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
         return handler
 
 
@@ -227,6 +242,7 @@ def error_from_rpc(err: grpc.RpcError) -> PicoError | None:
     code = err.code() if hasattr(err, "code") else None
     detail = err.details() if hasattr(err, "details") else str(err)
     for cls, c in _CODES:
-        if code == c:
-            return (InvalidArgument if cls is ValueError else cls)(detail)
+        error = InvalidArgument if cls is ValueError else cls
+        if code == c and issubclass(error, PicoError):  # every class of _CODES but ValueError is
+            return error(detail)
     return None

@@ -1,10 +1,6 @@
-"""grpc.health.v1: `check_health` (is the server at an address SERVING?), and the protocol
-without the grpcio-health-checking package.
-
-Servers use that package's servicer when it is installed; where it is not (a lean GPU
-image), `FallbackHealthServicer` answers the same protocol (Check and Watch), so load
-balancers, `check_health` and the tests work alike. The two messages are built from a
-descriptor in a private pool, so nothing clashes with the package's own generated code.
+"""grpc.health.v1 from the client side: `check_health` (is the server at an address SERVING?),
+`check` on an open channel, and the protocol's names for the scheduler's peer monitor and the
+HTTP gateway. Servers add grpcio-health-checking's servicer (contracts.rpc).
 """
 
 from __future__ import annotations
@@ -14,32 +10,19 @@ import sys
 from typing import Any
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from grpc_health.v1 import health_pb2
 
-SERVICE_NAME = "grpc.health.v1.Health"
-UNKNOWN, SERVING, NOT_SERVING, SERVICE_UNKNOWN = 0, 1, 2, 3
-
-
-def _messages() -> tuple[type, type]:
-    f = descriptor_pb2.FieldDescriptorProto
-    fdp = descriptor_pb2.FileDescriptorProto(name="picovllm/health_fallback.proto", package="grpc.health.v1", syntax="proto3")
-    req = fdp.message_type.add(name="HealthCheckRequest")
-    req.field.add(name="service", number=1, type=f.TYPE_STRING, label=f.LABEL_OPTIONAL)
-    resp = fdp.message_type.add(name="HealthCheckResponse")
-    status = resp.enum_type.add(name="ServingStatus")
-    for name, number in (("UNKNOWN", UNKNOWN), ("SERVING", SERVING), ("NOT_SERVING", NOT_SERVING), ("SERVICE_UNKNOWN", SERVICE_UNKNOWN)):
-        status.value.add(name=name, number=number)
-    resp.field.add(name="status", number=1, type=f.TYPE_ENUM, label=f.LABEL_OPTIONAL,
-                   type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus")
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(fdp)
-    get = message_factory.GetMessageClass
-    return get(pool.FindMessageTypeByName("grpc.health.v1.HealthCheckRequest")), get(pool.FindMessageTypeByName("grpc.health.v1.HealthCheckResponse"))
+SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+HealthCheckRequest = health_pb2.HealthCheckRequest
+HealthCheckResponse = health_pb2.HealthCheckResponse
+SERVING, NOT_SERVING = HealthCheckResponse.SERVING, HealthCheckResponse.NOT_SERVING
+SERVICE_UNKNOWN = HealthCheckResponse.SERVICE_UNKNOWN
 
 
-HealthCheckRequest, HealthCheckResponse = _messages()
-
-
+# TODO(merge): dead (grpcio-health-checking is a dependency, and contracts.rpc no longer falls
+# back to it); only test_fallback_health_speaks_grpc_health_v1 in tests/services/
+# test_config_and_protos.py, left untouched until the engine-core change lands, still builds
+# one. Delete it with that test.
 class FallbackHealthServicer:
     """Check and Watch of grpc.health.v1 for an aio server; `set` as in grpc_health."""
 
@@ -69,24 +52,34 @@ class FallbackHealthServicer:
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         handlers = {
-            "Check": grpc.unary_unary_rpc_method_handler(self.Check, HealthCheckRequest.FromString, HealthCheckResponse.SerializeToString),
-            "Watch": grpc.unary_stream_rpc_method_handler(self.Watch, HealthCheckRequest.FromString, HealthCheckResponse.SerializeToString),
+            "Check": grpc.unary_unary_rpc_method_handler(
+                self.Check, HealthCheckRequest.FromString, HealthCheckResponse.SerializeToString
+            ),
+            "Watch": grpc.unary_stream_rpc_method_handler(
+                self.Watch, HealthCheckRequest.FromString, HealthCheckResponse.SerializeToString
+            ),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
 def check(channel: grpc.Channel, service: str = "", timeout: float = 1.0) -> int:
     """The status a server reports for `service` (raises grpc.RpcError when it cannot say)."""
-    call = channel.unary_unary(f"/{SERVICE_NAME}/Check", request_serializer=HealthCheckRequest.SerializeToString,
-                               response_deserializer=HealthCheckResponse.FromString)
+    call = channel.unary_unary(
+        f"/{SERVICE_NAME}/Check",
+        request_serializer=HealthCheckRequest.SerializeToString,
+        response_deserializer=HealthCheckResponse.FromString,
+    )
     return call(HealthCheckRequest(service=service), timeout=timeout).status
 
 
 def check_health(address: str, service: str = "", timeout: float = 1.0, root_certificates: bytes | None = None) -> bool:
     """True when the server at `address` answers SERVING for `service` (over TLS trusting
     `root_certificates` when given)."""
-    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates)) if root_certificates
-               else grpc.insecure_channel(address))
+    channel = (
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
+        if root_certificates
+        else grpc.insecure_channel(address)
+    )
     with channel:
         try:
             return check(channel, service, timeout) == SERVING

@@ -1,10 +1,7 @@
 """What the three gRPC servers share: an aio server with the error interceptor, grpc.health.v1
 health (NOT_SERVING until the service says it is ready), server reflection, stop signals,
 the one-line messages of start-up (a port that is taken, a service that is ready), and the
-channel options and retry loop of the internal clients.
-
-grpcio-health-checking and grpcio-reflection are used when installed; without them health
-falls back to contracts.health (same protocol) and reflection is off, with a warning."""
+channel options and retry loop of the internal clients."""
 
 from __future__ import annotations
 
@@ -23,15 +20,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
-from contracts import health as health_fallback
 from contracts.auth import TokenAuthInterceptor
 from contracts.errors import ErrorInterceptor, Unauthenticated, error_from_rpc
 
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 << 20
-_MESSAGE_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+_MESSAGE_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
 # gRPC on Linux binds with SO_REUSEPORT by default: a second copy of a service would bind the
 # same port beside the first and the kernel would split the connections between them.
 SERVER_OPTIONS = _MESSAGE_OPTIONS + [("grpc.so_reuseport", 0)]
@@ -111,41 +112,36 @@ def announce(line: str) -> None:
 @dataclass(slots=True)
 class RunningServer:
     server: grpc.aio.Server
-    health: Any  # grpc_health's aio HealthServicer, or the fallback (same `set`)
+    health: health.aio.HealthServicer
     service_names: tuple[str, ...]
     port: int
     address: str  # where it listens, with the port it got (for "host:0")
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_fallback.SERVING if serving else health_fallback.NOT_SERVING  # the proto's enum numbers
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("",) + self.service_names:
             await self.health.set(name, status)
 
 
-def _add_health(server: grpc.aio.Server) -> Any:
-    try:
-        from grpc_health.v1 import health, health_pb2_grpc
-    except ImportError:  # grpcio-health-checking not installed: same protocol, our servicer
-        servicer = health_fallback.FallbackHealthServicer()
-        servicer.add_to_server(server)
-        return servicer
+def _add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     return servicer
 
 
 def _add_reflection(server: grpc.aio.Server, names: tuple[str, ...]) -> None:
-    try:
-        from grpc_reflection.v1alpha import reflection
-    except ImportError:
-        logger.warning("server reflection is off: grpcio-reflection is not installed")
-        return
-    reflection.enable_server_reflection(names + (health_fallback.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
 
-async def start_server(address: str, services: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
-                       options: Sequence[tuple[str, Any]] = (), *, auth_token: str | None = None, public: bool = False,
-                       credentials: grpc.ServerCredentials | None = None) -> RunningServer:
+async def start_server(
+    address: str,
+    services: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+    options: Sequence[tuple[str, Any]] = (),
+    *,
+    auth_token: str | None = None,
+    public: bool = False,
+    credentials: grpc.ServerCredentials | None = None,
+) -> RunningServer:
     """Bind `address` and start; `services` are (add_XServicer_to_server, servicer, full service
     name). Health answers NOT_SERVING until `set_serving(True)`. ListenError when the
     address is taken (checked first: gRPC's own bind failure logs lines of its own).
@@ -183,10 +179,8 @@ def stop_event() -> asyncio.Event:
     event = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(sig, event.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
     return event
 
 
@@ -195,8 +189,8 @@ def freeze_heap() -> None:
     objects, a model, a tokenizer: 10^5 objects and more) out of the garbage collector's
     sight. A step allocates a few objects per sequence (messages converted to and from
     protobuf, block ops and results), and enough of them outlive the young generations that
-    full collections ran every few dozen steps, each walking the whole start-up heap (tens of
-    ms at 256 sequences on the CPU, about 1.5-3 ms per step on average). Objects that die
+    full collections ran every few dozen steps, each walking the whole start-up heap
+    (bench/NOTES.md, "Figures behind the code's choices"). Objects that die
     later are still freed (by reference counting; only garbage cycles among the frozen
     objects are never collected)."""
     gc.collect()
@@ -207,8 +201,15 @@ def freeze_heap() -> None:
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def call_with_retry(method: Callable[..., Any], request: Any, retry_until: float, timeout: float, what: str,
-                    unavailable: type[Exception], first: Callable[[], Any] | None = None) -> Any:
+def call_with_retry(
+    method: Callable[..., Any],
+    request: Any,
+    retry_until: float,
+    timeout: float,
+    what: str,
+    unavailable: type[Exception],
+    first: Callable[[], Any] | None = None,
+) -> Any:
     """Call a unary method; while the peer is down (UNAVAILABLE, or no answer in time) retry
     with backoff until `retry_until` (monotonic), then raise `unavailable`. Other statuses
     become the domain error they stand for. `first`: the first attempt, already made
@@ -226,8 +227,10 @@ def call_with_retry(method: Callable[..., Any], request: Any, retry_until: float
             return method(request, timeout=t, wait_for_ready=attempt > 0)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise Unauthenticated(f"{what}: refused this process's internal token (every service needs the same "
-                                      f"PICOVLLM_INTERNAL_TOKEN)") from None
+                raise Unauthenticated(
+                    f"{what}: refused this process's internal token (every service needs the same "
+                    f"PICOVLLM_INTERNAL_TOKEN)"
+                ) from None
             if err.code() not in RETRYABLE:
                 raise (error_from_rpc(err) or RuntimeError(f"{what}: {err.code().name}: {err.details()}")) from None
             if time.monotonic() + delay >= retry_until:

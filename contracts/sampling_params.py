@@ -36,7 +36,9 @@ class RequestLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        if self.max_prompt_chars is not None and (not isinstance(self.max_prompt_chars, int) or self.max_prompt_chars < 1):
+        if self.max_prompt_chars is not None and (
+            not isinstance(self.max_prompt_chars, int) or self.max_prompt_chars < 1
+        ):
             raise ValueError(f"max_prompt_chars must be a positive integer or None, got {self.max_prompt_chars!r}")
 
     def prompt_chars(self, max_model_len: int) -> int:
@@ -53,9 +55,13 @@ class RequestLimits:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if len(prompt) > limit:
-                raise ValueError(f"prompt has {len(prompt)} characters; the limit is {limit} (max_model_len {max_model_len})")
+                raise ValueError(
+                    f"prompt has {len(prompt)} characters; the limit is {limit} (max_model_len {max_model_len})"
+                )
         elif isinstance(prompt, Sized) and len(prompt) >= max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; the limit is {max_model_len - 1} (max_model_len {max_model_len})")
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; the limit is {max_model_len - 1} (max_model_len {max_model_len})"
+            )
 
 
 @dataclass(slots=True)
@@ -117,6 +123,7 @@ class SamplingParams:
 
     def check_limits(self, limits: RequestLimits, vocab_size: int) -> None:
         """The server's caps and the model's vocabulary; ValueError naming the field."""
+
         def over(name: str, what: str, value: int, cap: int) -> None:
             if value > cap:
                 raise ValueError(f"{name}: {what} {value} is over the limit of {cap}")

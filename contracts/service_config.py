@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from contracts.auth import REDIS_URL_ENV, mask_url, read_secret
 
@@ -49,6 +49,12 @@ def _check_address(name: str, value: str) -> None:
         raise ValueError(f"{name} must be host:port, got {value!r}")
 
 
+def check_preemption_mode(name: str, value: str) -> None:
+    """The one check of a preemption mode, for the service config and the embedded engine's."""
+    if value not in ("swap", "recompute"):
+        raise ValueError(f"{name} must be 'swap' or 'recompute', got {value!r}")
+
+
 def _positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -68,8 +74,13 @@ class SchedulerSection:
     preemption_mode: str = "swap"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps per model call
-    async_scheduling: bool | None = None  # pipeline the model steps (two ahead); None: on when the model service runs on a GPU
+    # TODO(merge): not a key any more (multi-step scheduling was removed); scheduler_svc/
+    # remote_engine.py, left untouched until the engine-core change lands, still reads it.
+    # Delete it with that read.
+    num_scheduler_steps: ClassVar[int] = 1
+    async_scheduling: bool | None = (
+        None  # pipeline the model steps (two ahead); None: on when the model service runs on a GPU
+    )
     rpc_timeout_s: float = 30.0  # one internal call, when no client deadline is shorter
     retry_window_s: float = 1.0  # how long one engine step retries a peer that is down
     startup_timeout_s: float = 600.0  # waiting for the peers at start
@@ -93,15 +104,25 @@ class SchedulerSection:
         _positive("scheduler", self, "dependency_timeout_s", "peer_down_after_s")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("scheduler.tls_cert and scheduler.tls_key go together: set both or neither")
-        _positive("scheduler", self, "max_waiting", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps",
-                  "rpc_timeout_s", "retry_window_s", "startup_timeout_s", "max_request_bytes", "max_prompt_chars")
+        _positive(
+            "scheduler",
+            self,
+            "max_waiting",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "rpc_timeout_s",
+            "retry_window_s",
+            "startup_timeout_s",
+            "max_request_bytes",
+            "max_prompt_chars",
+        )
         for name in ("max_logprobs", "max_stop_strings", "max_stop_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"scheduler.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"scheduler.metrics_port must be a port number, got {self.metrics_port!r}")
-        if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"scheduler.preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+        check_preemption_mode("scheduler.preemption_mode", self.preemption_mode)
         if self.drain_timeout_s < 0:
             raise ValueError(f"scheduler.drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
 
@@ -187,7 +208,8 @@ class ServiceConfig:
         return self.scheduler.tokenizer or self.model.model
 
 
-_SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(ServiceConfig)}  # type: ignore[misc]
+# Each section's dataclass (its ServiceConfig field's default factory), by the section's key.
+_SECTIONS: dict[str, Any] = {f.name: f.default_factory for f in dataclasses.fields(ServiceConfig)}
 
 
 def _coerce(section: str, name: str, raw: Any, annotation: str) -> Any:
@@ -225,8 +247,11 @@ def _merge(values: dict[str, dict[str, Any]], section: str, updates: Mapping[str
             values[section][name] = value
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Mapping[str, Mapping[str, Any]] | None = None,
-                env: Mapping[str, str] | None = None) -> ServiceConfig:
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ServiceConfig:
     """Defaults < YAML (`path`, else $PICOVLLM_CONFIG) < environment < `overrides` (flags;
     None values are ignored). Raises ValueError naming the bad key or value."""
     env = os.environ if env is None else env
@@ -247,7 +272,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: Mapping[str, M
         if var in env:
             _merge(values, section, {name: env[var]}, f"${var}")
     if env.get(f"{REDIS_URL_ENV}_FILE"):  # a secret: from a file by the _FILE convention too
-        _merge(values, "kvcache", {"redis_url": read_secret(REDIS_URL_ENV, env=env, check=False)}, f"${REDIS_URL_ENV}_FILE")
+        _merge(
+            values, "kvcache", {"redis_url": read_secret(REDIS_URL_ENV, env=env, check=False)}, f"${REDIS_URL_ENV}_FILE"
+        )
     for section, body in (overrides or {}).items():
         _merge(values, section, {k: v for k, v in body.items() if v is not None}, "flags")
     sections = {name: factory(**values[name]) for name, factory in _SECTIONS.items()}

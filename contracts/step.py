@@ -8,6 +8,7 @@ step's (the model service keeps each sequence's table).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from contracts.sampling_params import SamplingParams
 
@@ -35,9 +36,6 @@ class StepInput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
     finished: list[str] = field(default_factory=list)  # forget these sequences
-    # Decode sub-steps to run back to back on the device, each feeding the token the last one
-    # sampled (multi-step scheduling; only for decode-only batches whose blocks are reserved).
-    num_steps: int = 1
 
     def is_empty(self) -> bool:
         """Nothing for the model side to do: no sequences, block moves or sequences to forget."""
@@ -50,7 +48,9 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    extra_token_ids: list[int] = field(default_factory=list)  # sub-steps 2..num_steps
+    # TODO(merge): always empty; scheduler_svc/engine.py (left untouched until the engine-core
+    # change lands) still reads it. Delete it with that read.
+    extra_token_ids: ClassVar[tuple[int, ...]] = ()
 
 
 @dataclass(slots=True)

@@ -27,8 +27,18 @@ from tokenizers import Tokenizer as Backend
 # The named special tokens, as transformers names them (its special_tokens_map).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers' clean_up_tokenization: the spaces a WordPiece decoder leaves before punctuation.
-_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
-             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+_CLEANUPS = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
 
 
 class Tokenizer:
@@ -40,7 +50,9 @@ class Tokenizer:
         self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name)))}
         # As transformers' fast tokenizer: every named special token is a special added token
         # (skipped by decode(skip_special_tokens=True)), added to the vocabulary if missing.
-        backend.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in self.special_tokens.values()])
+        backend.add_special_tokens(
+            [AddedToken(text, special=True, normalized=False) for text in self.special_tokens.values()]
+        )
         self.bos_token_id = self._id("bos_token")
         self.eos_token_id = self._id("eos_token")
         # transformers skips the clean-up for BPE models, where it would eat real spaces.
@@ -96,7 +108,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not file.is_file():
         raise FileNotFoundError(
             f"no tokenizer.json in {str(path)!r}: write one with transformers, once: "
-            f"AutoTokenizer.from_pretrained({str(path)!r}).save_pretrained({str(path)!r})")
+            f"AutoTokenizer.from_pretrained({str(path)!r}).save_pretrained({str(path)!r})"
+        )
     # special_tokens_map.json is the older place for the named tokens; tokenizer_config.json wins.
     config = {**_read_json(directory / "special_tokens_map.json"), **_read_json(directory / "tokenizer_config.json")}
     return Tokenizer(Backend.from_file(str(file)), config, _chat_template(directory, config))

@@ -40,12 +40,22 @@ class BodyTooLarge(HTTPException):
 class HttpMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("picovllm_http_requests_total", "HTTP requests by route, method and status",
-                                ["route", "method", "status"], registry=self.registry)
-        self.latency = Histogram("picovllm_http_request_duration_seconds",
-                                 "HTTP request time, to the last byte of the answer (a stream's end)", ["route", "method"],
-                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.in_progress = Gauge("picovllm_http_requests_in_progress", "HTTP requests being answered", registry=self.registry)
+        self.requests = Counter(
+            "picovllm_http_requests_total",
+            "HTTP requests by route, method and status",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "picovllm_http_request_duration_seconds",
+            "HTTP request time, to the last byte of the answer (a stream's end)",
+            ["route", "method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.in_progress = Gauge(
+            "picovllm_http_requests_in_progress", "HTTP requests being answered", registry=self.registry
+        )
 
 
 class Guards:
@@ -84,11 +94,14 @@ class Guards:
 
     async def _guarded(self, scope: dict, receive: Any, send: Any, path: str) -> None:
         if self.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
-            return await APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key").response()(scope, receive, send)
+            return await APIError(
+                401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            ).response()(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await APIError(413, BodyTooLarge(self.max_bytes).detail, code="request_too_large").response()(scope, receive, send)
+            return await APIError(413, BodyTooLarge(self.max_bytes).detail, code="request_too_large").response()(
+                scope, receive, send
+            )
         seen = 0
 
         async def limited() -> dict:
@@ -103,31 +116,42 @@ class Guards:
         await self.app(scope, limited, send)
 
 
-_FORMS = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
-          "stop": "a string or a list of strings", "content": "a string or a list of text parts"}
+_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+}
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """400 naming the first bad field; the alternatives of a union field are said once."""
     errors = exc.errors()
     if errors and errors[0].get("type") == "json_invalid":
-        return JSONResponse(error_body(400, f"the request body is not valid JSON ({errors[0].get('ctx', {}).get('error', '')})"),
-                            status_code=400)
+        return JSONResponse(
+            error_body(400, f"the request body is not valid JSON ({errors[0].get('ctx', {}).get('error', '')})"),
+            status_code=400,
+        )
     fields: dict[str, list[str]] = {}
     for err in errors:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         fields.setdefault(".".join(loc[:1]) or "body", []).append(err.get("msg", "invalid"))
-    parts = [f"{name}: {msgs[0]}" if len(msgs) == 1 else f"{name}: must be {_FORMS.get(name, 'one of the accepted forms')}"
-             for name, msgs in list(fields.items())[:5]]
+    parts = [
+        f"{name}: {msgs[0]}" if len(msgs) == 1 else f"{name}: must be {_FORMS.get(name, 'one of the accepted forms')}"
+        for name, msgs in list(fields.items())[:5]
+    ]
     param = next(iter(fields), None)
-    return JSONResponse(error_body(400, "; ".join(parts) or "invalid request body", None if param == "body" else param),
-                        status_code=400)
+    return JSONResponse(
+        error_body(400, "; ".join(parts) or "invalid request body", None if param == "body" else param), status_code=400
+    )
 
 
 def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     code = "request_too_large" if exc.status_code == 413 else None
-    return JSONResponse(error_body(exc.status_code, str(exc.detail), None, code), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return JSONResponse(
+        error_body(exc.status_code, str(exc.detail), None, code),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
 
 
 def _server_error(request: Request, exc: Exception) -> JSONResponse:
@@ -139,10 +163,12 @@ def create_app(backend: SchedulerBackend, api_key: str | None, max_request_bytes
     app.state.backend = backend
     metrics = HttpMetrics()
     app.include_router(router)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(APIError, lambda request, exc: exc.response())
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _server_error)
+    # FastAPI's decorator form: Starlette's add_exception_handler types every handler as
+    # taking Exception, though each gets the class it is registered for.
+    app.exception_handler(RequestValidationError)(_validation_error)
+    app.exception_handler(APIError)(lambda request, exc: exc.response())
+    app.exception_handler(HTTPException)(_http_error)
+    app.exception_handler(Exception)(_server_error)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,12 @@ logger = logging.getLogger(__name__)
 
 # A restarted scheduler is noticed within about a second (gRPC's reconnect backoff otherwise
 # grows to two minutes, and every call meanwhile fails at once with UNAVAILABLE).
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_receive_message_length", 64 << 20)]
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
 _RETRY_S = 0.5
 
 
@@ -48,15 +53,22 @@ class ChatTokenizer:
         self.chat_template = chat_template or tokenizer.chat_template
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any] | None) -> list[int]:
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any] | None
+    ) -> list[int]:
         """The prompt's token ids: the template renders text, which is tokenized without
         special tokens of its own (the template already wrote them), as vLLM does."""
         # transformers' own renderer (its sandbox, filters and globals), as its apply_chat_template
         # calls it: the named special tokens are template variables, the request's kwargs win.
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        rendered, _ = render_jinja_template([messages], chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
-                                            **{**self.tokenizer.special_tokens, **(kwargs or {})})
+        # transformers annotates it `-> str`, but it returns (rendered, generation indices).
+        rendered, _ = render_jinja_template(  # type: ignore[str-unpack]
+            [messages],
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            **{**self.tokenizer.special_tokens, **(kwargs or {})},
+        )
         return self.tokenizer.encode(rendered[0], add_special_tokens=False)
 
     def _token_text(self, token_id: int) -> str:
@@ -64,7 +76,9 @@ class ChatTokenizer:
         it alone would drop it, as at the start of a text."""
         text = self.tokenizer.decode([token_id], skip_special_tokens=False)
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        return " " + text if isinstance(piece, str) and piece.startswith("\u2581") and not text.startswith(" ") else text
+        return (
+            " " + text if isinstance(piece, str) and piece.startswith("\u2581") and not text.startswith(" ") else text
+        )
 
 
 def load_chat_tokenizer(directory: str, chat_template_file: str | None) -> ChatTokenizer:
@@ -72,9 +86,26 @@ def load_chat_tokenizer(directory: str, chat_template_file: str | None) -> ChatT
     return ChatTokenizer(load_tokenizer(directory), template)
 
 
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """What the endpoints read of a ready backend."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: ChatTokenizer
+
+
 class SchedulerBackend:
-    def __init__(self, address: str, api_key: str | None, tokenizer_dir: str, *, served_model_name: str | None = None,
-                 chat_template_file: str | None = None, root_certificates: bytes | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        api_key: str | None,
+        tokenizer_dir: str,
+        *,
+        served_model_name: str | None = None,
+        chat_template_file: str | None = None,
+        root_certificates: bytes | None = None,
+    ) -> None:
         self.address = address
         self.metadata = call_metadata(api_key)
         self.tokenizer_dir, self.chat_template_file = tokenizer_dir, chat_template_file
@@ -100,10 +131,19 @@ class SchedulerBackend:
     def ready(self) -> bool:
         return self.info is not None and self.tokenizer is not None
 
+    def serving(self) -> Serving | None:
+        """The model facts and tokenizer once ready; None while starting."""
+        name = self.model_name
+        if self.info is None or self.tokenizer is None or name is None:
+            return None
+        return Serving(name, self.info.max_model_len, self.tokenizer)
+
     async def start(self) -> None:
         """Open the channel; fetch the model info and load the tokenizer in the background."""
         if self.root_certificates is not None:
-            self.channel = grpc.aio.secure_channel(self.address, grpc.ssl_channel_credentials(self.root_certificates), CHANNEL_OPTIONS)
+            self.channel = grpc.aio.secure_channel(
+                self.address, grpc.ssl_channel_credentials(self.root_certificates), CHANNEL_OPTIONS
+            )
         else:
             self.channel = grpc.aio.insecure_channel(self.address, CHANNEL_OPTIONS)
         self.stub = pb_grpc.SchedulerServiceStub(self.channel)
@@ -112,12 +152,18 @@ class SchedulerBackend:
     async def _load_tokenizer(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            tokenizer = await loop.run_in_executor(self.render_pool, load_chat_tokenizer, self.tokenizer_dir, self.chat_template_file)
+            tokenizer = await loop.run_in_executor(
+                self.render_pool, load_chat_tokenizer, self.tokenizer_dir, self.chat_template_file
+            )
         except Exception as exc:  # noqa: BLE001 - a missing or unreadable file: said once, then the server stops
             self.failed = exc
             raise
         self.tokenizer = tokenizer
-        logger.info("tokenizer loaded from %s (chat template: %s)", self.tokenizer_dir, "yes" if tokenizer.chat_template else "none")
+        logger.info(
+            "tokenizer loaded from %s (chat template: %s)",
+            self.tokenizer_dir,
+            "yes" if tokenizer.chat_template else "none",
+        )
 
     async def _fetch_info(self) -> None:
         assert self.stub is not None
@@ -137,9 +183,11 @@ class SchedulerBackend:
     async def scheduler_serving(self, timeout: float = 1.0) -> bool:
         """Whether the scheduler's grpc.health.v1 says SERVING."""
         assert self.channel is not None
-        check = self.channel.unary_unary(f"/{grpc_health.SERVICE_NAME}/Check",
-                                         request_serializer=grpc_health.HealthCheckRequest.SerializeToString,
-                                         response_deserializer=grpc_health.HealthCheckResponse.FromString)
+        check = self.channel.unary_unary(
+            f"/{grpc_health.SERVICE_NAME}/Check",
+            request_serializer=grpc_health.HealthCheckRequest.SerializeToString,
+            response_deserializer=grpc_health.HealthCheckResponse.FromString,
+        )
         try:
             reply = await check(grpc_health.HealthCheckRequest(service=""), timeout=timeout)
         except grpc.RpcError:

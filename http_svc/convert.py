@@ -14,12 +14,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from http_svc.protocol import SamplingFields
+from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
-_SAME_NAME = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_SAME_NAME = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 def sampling_to_pb(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
@@ -90,15 +99,21 @@ def _top(entry: pb.GeneratedTokenLogprobs, n: int) -> list[tuple[int, float]]:
     return sorted(top, key=lambda x: -x[1])[:n]
 
 
-def completion_logprobs(entries: list[pb.GeneratedTokenLogprobs], n: int, token_text, offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    entries: list[pb.GeneratedTokenLogprobs], n: int, token_text, offset: int = 0
+) -> dict[str, Any]:
     """The legacy completions form: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, offsets = [], []
     for e in entries:
         tokens.append(token_text(e.token_id))
         offsets.append(offset)
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(t): lp for t, lp in _top(e, n)} for e in entries], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(t): lp for t, lp in _top(e, n)} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(entries: list[pb.GeneratedTokenLogprobs], n: int, token_text) -> dict[str, Any]:
@@ -106,24 +121,58 @@ def chat_logprobs(entries: list[pb.GeneratedTokenLogprobs], n: int, token_text) 
         text = token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in _top(e, n)]} for e in entries]}
+    return {
+        "content": [
+            {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in _top(e, n)]} for e in entries
+        ]
+    }
 
 
 # ----------------------------------------------------------------- whole responses
-def completion_response(request_id: str, model: str, choices: list[Choice], num_logprobs: int | None, token_text) -> dict[str, Any]:
-    return {**envelope(request_id, "text_completion", model), "choices": [
-        {"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
-         "logprobs": None if num_logprobs is None else completion_logprobs(c.logprobs, num_logprobs, token_text)}
-        for c in choices], "usage": usage(choices)}
+def completion_response(
+    request_id: str, model: str, choices: list[Choice], num_logprobs: int | None, token_text
+) -> dict[str, Any]:
+    return {
+        **envelope(request_id, "text_completion", model),
+        "choices": [
+            {
+                "index": c.index,
+                "text": "".join(c.text),
+                "finish_reason": c.finish_reason,
+                "logprobs": None if num_logprobs is None else completion_logprobs(c.logprobs, num_logprobs, token_text),
+            }
+            for c in choices
+        ],
+        "usage": usage(choices),
+    }
 
 
 def chat_response(request_id: str, model: str, choice: Choice, num_logprobs: int | None, token_text) -> dict[str, Any]:
-    return {**envelope(request_id, "chat.completion", model), "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": "".join(choice.text)}, "finish_reason": choice.finish_reason,
-         "logprobs": None if num_logprobs is None else chat_logprobs(choice.logprobs, num_logprobs, token_text)}],
-        "usage": usage([choice])}
+    return {
+        **envelope(request_id, "chat.completion", model),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(choice.text)},
+                "finish_reason": choice.finish_reason,
+                "logprobs": None if num_logprobs is None else chat_logprobs(choice.logprobs, num_logprobs, token_text),
+            }
+        ],
+        "usage": usage([choice]),
+    }
 
 
 def models_response(name: str, created: int, max_model_len: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "picovllm",
-                                        "root": name, "max_model_len": max_model_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "picovllm",
+                "root": name,
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

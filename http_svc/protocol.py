@@ -84,7 +84,7 @@ class CompletionRequest(SamplingFields):
         """Each prompt of the request, as text or token ids."""
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]  # type: ignore[list-item]
+            return [p]
         return list(p)  # type: ignore[arg-type]
 
 

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from http_svc import convert, stream
-from http_svc.backend import SchedulerBackend
+from http_svc.backend import ChatTokenizer, SchedulerBackend, Serving
 from http_svc.errors import APIError, from_rpc, starting
 from http_svc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -25,17 +25,22 @@ router = APIRouter()
 CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer: only in the metrics
 
 
-def _backend(request: Request) -> SchedulerBackend:
+def _backend(request: Request) -> tuple[SchedulerBackend, Serving]:
     backend: SchedulerBackend = request.app.state.backend
-    if not backend.ready:
+    serving = backend.serving()
+    if serving is None:
         raise starting()
-    return backend
+    return backend, serving
 
 
-def _check(backend: SchedulerBackend, body: SamplingFields) -> None:
-    if body.model != backend.model_name:
-        raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{backend.model_name}`.",
-                       param="model", code="model_not_found")
+def _check(serving: Serving, body: SamplingFields) -> None:
+    if body.model != serving.model_name:
+        raise APIError(
+            404,
+            f"The model `{body.model}` does not exist; this server serves `{serving.model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
     refused = body.unsupported()
     if refused is not None:
         raise APIError(400, refused[1], param=refused[0])
@@ -63,20 +68,22 @@ async def _run(request: Request, backend: SchedulerBackend, requests: list, body
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    backend = _backend(request)
-    return convert.models_response(backend.model_name, backend.created, backend.info.max_model_len)
+    backend, serving = _backend(request)
+    return convert.models_response(serving.model_name, backend.created, serving.max_model_len)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
-    backend = _backend(request)
-    _check(backend, body)
+    backend, serving = _backend(request)
+    _check(serving, body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     sampling = convert.sampling_to_pb(body, body.max_tokens or convert.COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
     prompts = body.prompts()
-    requests = [convert.generate_request(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, sampling)
-                for i, p in enumerate(prompts)]
-    model, created, token_text = backend.model_name, int(time.time()), backend.tokenizer.token_text
+    requests = [
+        convert.generate_request(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, sampling)
+        for i, p in enumerate(prompts)
+    ]
+    model, created, token_text = serving.model_name, int(time.time()), serving.tokenizer.token_text
     n_logprobs = body.logprobs
 
     async def events(messages: AsyncIterator[stream.Tagged]) -> AsyncIterator[str]:
@@ -97,54 +104,82 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             yield stream.sse({**head, "choices": [], "usage": convert.usage(choices)})
         yield stream.DONE
 
-    return await _run(request, backend, requests, body, events,
-                      lambda choices: convert.completion_response(request_id, model, choices, n_logprobs, token_text))
+    return await _run(
+        request,
+        backend,
+        requests,
+        body,
+        events,
+        lambda choices: convert.completion_response(request_id, model, choices, n_logprobs, token_text),
+    )
 
 
-async def _render(backend: SchedulerBackend, body: ChatCompletionRequest) -> list[int]:
-    tokenizer = backend.tokenizer
+async def _render(backend: SchedulerBackend, tokenizer: ChatTokenizer, body: ChatCompletionRequest) -> list[int]:
     if not tokenizer.chat_template:
-        raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions, or start the gateway with "
-                            "--chat-template FILE", param="messages")
+        raise APIError(
+            400,
+            "this model's tokenizer has no chat template: use /v1/completions, or start the gateway with "
+            "--chat-template FILE",
+            param="messages",
+        )
     messages = [m.as_template_dict() for m in body.messages]
     try:
         return await asyncio.get_running_loop().run_in_executor(
-            backend.render_pool, tokenizer.render, messages, body.add_generation_prompt, body.chat_template_kwargs)
+            backend.render_pool, tokenizer.render, messages, body.add_generation_prompt, body.chat_template_kwargs
+        )
     except Exception as exc:  # noqa: BLE001 - jinja2's TemplateError and kin: the messages did not fit the template
         raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    backend = _backend(request)
-    _check(backend, body)
-    prompt = await _render(backend, body)
+    backend, serving = _backend(request)
+    _check(serving, body)
+    prompt = await _render(backend, serving.tokenizer, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    max_tokens = body.max_new_tokens() or max(1, backend.info.max_model_len - len(prompt))
+    max_tokens = body.max_new_tokens() or max(1, serving.max_model_len - len(prompt))
     n_logprobs = body.num_logprobs()
     sampling = convert.sampling_to_pb(body, max_tokens, n_logprobs)
-    model, created, token_text = backend.model_name, int(time.time()), backend.tokenizer.token_text
+    model, created, token_text = serving.model_name, int(time.time()), serving.tokenizer.token_text
 
     async def events(messages: AsyncIterator[stream.Tagged]) -> AsyncIterator[str]:
         choice = convert.Choice(0)
         head = convert.envelope(request_id, "chat.completion.chunk", model, created)
         tail = {"usage": None} if _include_usage(body) else {}
-        yield stream.sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                               "logprobs": None, "finish_reason": None}], **tail})
+        yield stream.sse(
+            {
+                **head,
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ],
+                **tail,
+            }
+        )
         async for _, m in messages:
             choice.add(m)
             if not (m.text or m.logprobs or m.finish_reason):
                 continue
             lp = None if n_logprobs is None else convert.chat_logprobs(list(m.logprobs), n_logprobs, token_text)
             delta = {"content": m.text} if m.text else {}
-            yield stream.sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
-                                                   "finish_reason": choice.finish_reason}], **tail})
+            yield stream.sse(
+                {
+                    **head,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": choice.finish_reason}],
+                    **tail,
+                }
+            )
         if _include_usage(body):
             yield stream.sse({**head, "choices": [], "usage": convert.usage([choice])})
         yield stream.DONE
 
-    return await _run(request, backend, [convert.generate_request(request_id, prompt, sampling)], body, events,
-                      lambda choices: convert.chat_response(request_id, model, choices[0], n_logprobs, token_text))
+    return await _run(
+        request,
+        backend,
+        [convert.generate_request(request_id, prompt, sampling)],
+        body,
+        events,
+        lambda choices: convert.chat_response(request_id, model, choices[0], n_logprobs, token_text),
+    )
 
 
 @router.get("/health")

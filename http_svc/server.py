@@ -49,13 +49,15 @@ def url(host: str, port: int) -> str:
 def dial_address(address: str) -> str:
     """Where to connect for an address a server listens on (a wildcard host: loopback)."""
     host, _, port = address.rpartition(":")
-    return f"{ {'0.0.0.0': '127.0.0.1', '[::]': '[::1]'}.get(host, host)}:{port}"
+    return f"{ {'0.0.0.0': '127.0.0.1', '[::]': '[::1]'}.get(host, host) }:{port}"
 
 
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, or ListenError naming the address."""
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.socket(family, kind, proto)
     except OSError as exc:
         raise ListenError(f"cannot listen on {host}:{port} (HTTP): {exc.strerror or exc}") from None
@@ -79,9 +81,14 @@ def _read(path: str | None) -> bytes | None:
 
 def make_backend(config: ServiceConfig, creds: Credentials) -> SchedulerBackend:
     h = config.http
-    return SchedulerBackend(dial_address(config.scheduler.address), creds.api_key, config.tokenizer,
-                            served_model_name=h.served_model_name, chat_template_file=h.chat_template,
-                            root_certificates=_read(h.tls_ca or config.scheduler.tls_cert))
+    return SchedulerBackend(
+        dial_address(config.scheduler.address),
+        creds.api_key,
+        config.tokenizer,
+        served_model_name=h.served_model_name,
+        chat_template_file=h.chat_template,
+        root_certificates=_read(h.tls_ca or config.scheduler.tls_cert),
+    )
 
 
 async def serve(config: ServiceConfig, credentials: Credentials | None = None) -> None:
@@ -98,8 +105,15 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
     backend = make_backend(config, creds)
     app = create_app(backend, creds.api_key, h.max_request_bytes)
     # log_config None: uvicorn's loggers go through the process's own logging set-up (-v, --log-level).
-    server = _Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=max(1, int(config.scheduler.drain_timeout_s))))
+    server = _Server(
+        uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=max(1, int(config.scheduler.drain_timeout_s)),
+        )
+    )
     await backend.start()
     stop = stop_event()
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))

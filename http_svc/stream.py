@@ -101,7 +101,9 @@ async def first_then_rest(request: Request, messages: AsyncIterator[Tagged]) -> 
     """Waits for the first message before any byte of the response is sent, so that what
     fails at once (a full queue, a bad request, the scheduler down) gets its own HTTP
     status; then the same messages, the first included."""
-    first = await until_disconnect(request, anext(messages))  # StopAsyncIteration cannot happen: a stream ends on a finish
+    first = await until_disconnect(
+        request, anext(messages)
+    )  # StopAsyncIteration cannot happen: a stream ends on a finish
 
     async def chained() -> AsyncIterator[Tagged]:
         try:

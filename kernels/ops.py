@@ -7,12 +7,17 @@ package's select_ops, which imports kernels.triton_ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from kernels.reference import cascade_decode_attention_ref, paged_decode_attention_ref, paged_prefill_attention_ref, store_kvcache_ref
+from kernels.reference import (
+    cascade_decode_attention_ref,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kvcache_ref,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,5 +31,6 @@ class KernelOps:
     cascade_decode_attention: Callable[..., torch.Tensor]  # decode reading a shared prefix once
 
 
-REFERENCE_OPS = KernelOps("torch", store_kvcache_ref, paged_decode_attention_ref, paged_prefill_attention_ref,
-                          cascade_decode_attention_ref)
+REFERENCE_OPS = KernelOps(
+    "torch", store_kvcache_ref, paged_decode_attention_ref, paged_prefill_attention_ref, cascade_decode_attention_ref
+)

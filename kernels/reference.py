@@ -153,6 +153,7 @@ def qk_norm_rope_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated q (N, Hq, D), k (N, Hkv, D)
     """Optional per-head RMSNorm over head_dim, then neox-style (rotate_half) rotary."""
     if q_norm_weight is not None:
+        assert k_norm_weight is not None, "q and k are normed together (Qwen3)"
         q, _ = rms_norm_ref(q, q_norm_weight, eps)
         k, _ = rms_norm_ref(k, k_norm_weight, eps)
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (N, 1, D/2) each

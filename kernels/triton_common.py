@@ -47,7 +47,7 @@ def _fix_interpreter_scalar_index() -> None:
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    patch_lang_tensor._picovllm_fixed = True
+    patch_lang_tensor._picovllm_fixed = True  # type: ignore[attr-defined]  # a marker that outlives a reload
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
@@ -55,7 +55,7 @@ if interpreting():
     _fix_interpreter_scalar_index()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -70,7 +70,7 @@ PDL_ENV = "PICOVLLM_PDL"  # "1": programmatic dependent launch everywhere; "0": 
 _pdl_scope: bool | None = None  # set by pdl_scope(): what launches inside it want when the variable is unset
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -105,11 +105,8 @@ def use_pdl(device: torch.device) -> bool:
     SiLU-and-mul, decode, cascade and small-batch projection kernels take it.
 
     By default only the decode graphs of small batches capture it (model_svc.cuda_graphs):
-    on the H200 (bench/results/pdl_h200.md) it made the steps of small kernels faster
-    (batch-1 decode 0.942 -> 0.883 ms a token) but the steps of large ones slower (the prefix
-    workload's uncached run 11,622 -> 11,283 and 11,247 tok/s; the headline 24,300 -> 23,863,
-    one run), for reasons not yet measured; with the split-K projections, at 64 rows, the
-    cached prefix run lost too (33,531 against 34,367 tok/s)."""
+    it made the steps of small kernels faster but the steps of large ones slower, for reasons
+    not yet measured (bench/results/pdl_h200.md; bench/NOTES.md, "Figures behind the code's choices")."""
     if device.type != "cuda" or interpreting() or not pdl_wanted():
         return False
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
@@ -193,8 +190,11 @@ def row_rstd(sums_ptr, offs_m, m_mask, num_parts, hidden, eps, PARTS: tl.constex
     num_parts parts (row-major (rows, num_parts) fp32, PARTS >= num_parts a power of two):
     the deferred norm's scale (kernels.triton_splitk)."""
     offs_p = tl.arange(0, PARTS)
-    sums = tl.load(sums_ptr + offs_m[:, None] * num_parts + offs_p[None, :],
-                   mask=m_mask[:, None] & (offs_p < num_parts)[None, :], other=0.0)
+    sums = tl.load(
+        sums_ptr + offs_m[:, None] * num_parts + offs_p[None, :],
+        mask=m_mask[:, None] & (offs_p < num_parts)[None, :],
+        other=0.0,
+    )
     return tl.rsqrt(tl.sum(sums, axis=1) / hidden + eps)
 
 
@@ -230,10 +230,7 @@ def load_rows(ptrs, row_mask, d_mask, ROW_MASK: tl.constexpr, D_MASK: tl.constex
         else:
             x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
     else:
-        if D_MASK:
-            x = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
-        else:
-            x = tl.load(ptrs)
+        x = tl.load(ptrs, mask=d_mask[None, :], other=0.0) if D_MASK else tl.load(ptrs)
     return x
 
 

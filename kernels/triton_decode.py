@@ -42,7 +42,6 @@ from kernels.triton_common import (
     upcast_dot,
 )
 
-
 # Heuristic constants of pick_num_splits (see its docstring).
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 256
@@ -68,9 +67,7 @@ def default_decode_config(dtype: torch.dtype, head_dim: int) -> DecodeConfig:
     return DecodeConfig(block_n=64 if block_d <= 128 else 32, num_warps=4, num_stages=5)
 
 
-def pick_num_splits(
-    batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64
-) -> int:
+def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64) -> int:
     """Number of KV splits per (sequence, KV head) for the decode kernel.
 
     The decode kernel launches batch * num_kv_heads * num_splits programs. The split count is
@@ -82,9 +79,8 @@ def pick_num_splits(
     partials to combine) and to MAX_SPLITS (256). Why two per SM: an SM holds three decode
     programs at once (72 KB of shared memory each), each keeping two K/V tiles in flight,
     which is enough to saturate memory; aiming at two leaves room for rounding up without a
-    second, mostly idle wave of programs. Measured on the H200 (bench/results/kernels_h200.md):
-    at B=1, L=32k, 264 programs took 16 % less time than 528; at B=8, L=32k, 256 took 13 %
-    less than 576; at B=32, L=8k one split (256 programs) beat three.
+    second, mostly idle wave of programs; measured against more programs per SM in
+    bench/NOTES.md, "Figures behind the code's choices".
 
     On an H200 (132 SMs) with 8 KV heads: B=1 -> 33 splits (about 1k tokens each at L=32k;
     16 one-tile splits at L=1k); B=8 -> 4; B=16 -> 2; B>=23 -> 1 (nothing to combine).
@@ -106,7 +102,7 @@ def attend_pages(
     stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
-):
+):  # fmt: skip
     """Online softmax of the query rows `q` (ROWS, BLOCK_D) over the tokens [start, end) of one
     KV head, read through a block table (`table`: the row of page ids; `k_head`/`v_head`: the
     caches offset to the head). Returns the unnormalised (acc, running max, sum), log2 scale.
@@ -124,12 +120,12 @@ def attend_pages(
         block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
         slot = tok % PAGE
         k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK)  # (BLOCK_N, BLOCK_D)
+                      t_mask, d_mask, True, D_MASK)  # (BLOCK_N, BLOCK_D)  # fmt: skip
         qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (ROWS, BLOCK_N)
         qk = tl.where(t_mask[None, :], qk, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
         v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK)
+                      t_mask, d_mask, True, D_MASK)  # fmt: skip
         acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
     return acc, m_i, l_i
 
@@ -149,11 +145,9 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
     FIX_BF16: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_S: tl.constexpr,
     PDL: tl.constexpr,
-):
+):  # fmt: skip
     pdl_prologue(PDL)
-    split = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = tl.program_id(2)
+    split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -170,21 +164,21 @@ def _decode_split_kernel(
     q = tl.load(
         q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
-    )  # (GROUP_PAD, BLOCK_D)
+    )  # (GROUP_PAD, BLOCK_D)  # fmt: skip
 
     acc, m_i, l_i = attend_pages(
         q, block_tables_ptr + seq.to(tl.int64) * stride_bt,
         k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh, start, end,
         stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
         GROUP_PAD, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
-    )
+    )  # fmt: skip
 
     if DIRECT:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # seq_len 0 (padding rows): zeros
         tl.store(
             out_ptr + seq.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
             round_to(out, out_ptr.dtype.element_ty, FIX_BF16), mask=g_mask[:, None] & d_mask[None, :],
-        )
+        )  # fmt: skip
     else:
         # Only the first num_used splits hold keys (fewer than num_splits when the sequence is
         # shorter than the longest; none when seq_len is 0): the others store no partials, and
@@ -214,7 +208,7 @@ def _decode_split_kernel(
                     (seq.to(tl.int64) * num_q_heads + kv_head * GROUP) * num_splits, num_splits, num_used,
                     out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP).to(tl.int64) * stride_oh, stride_oh,
                     GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_S, FIX_BF16,
-                )
+                )  # fmt: skip
                 tl.store(counter, 0)  # every ticket is taken: ready for the next launch
 
 
@@ -223,7 +217,7 @@ def combine_group(
     part_out_ptr, part_lse_ptr, row0, num_splits, num_used, out_ptr, stride_oh,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, FIX_BF16: tl.constexpr,
-):
+):  # fmt: skip
     """Combine the partials of the first num_used splits of GROUP query heads (scratch rows
     row0 + g * num_splits + s) into their outputs (out_ptr: the group's first head): weights
     exp2(lse - max lse), in one pass over chunks of BLOCK_S splits, the running max rescaling
@@ -244,7 +238,7 @@ def combine_group(
         rows = rows_g[:, None] + s[None, :]
         lse = tl.load(part_lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(part_out_ptr + rows[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=mask[:, :, None],
-                    other=0.0, cache_modifier=".cg")  # (GROUP_P2, BLOCK_S, BLOCK_D)
+                    other=0.0, cache_modifier=".cg")  # (GROUP_P2, BLOCK_S, BLOCK_D)  # fmt: skip
         m_new = tl.maximum(m, tl.max(lse, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows (g >= GROUP)
         alpha = tl.exp2(m - shift)
@@ -254,7 +248,7 @@ def combine_group(
         m = m_new
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
     tl.store(out_ptr + offs_g[:, None] * stride_oh + offs_d[None, :], round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
-             mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+             mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])  # fmt: skip
 
 
 # Arrival counters of the split kernel, one zeroed int32 per (sequence, KV head), per device.
@@ -317,8 +311,8 @@ def decode_with_config(
         part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
         counters = arrival_counters(q.device, batch * num_kv_heads)
     # The combine's (GROUP_P2, BLOCK_S, BLOCK_D) tile of partials: at most 8k fp32 (64 registers
-    # a thread at 4 warps) and 32 splits. Each chunk of splits costs about 0.45 us on an H200
-    # (an L2 round trip), so chunks are as large as that allows; a 64-split tile was slower.
+    # a thread at 4 warps) and 32 splits. Each chunk of splits costs an L2 round trip, so
+    # chunks are as large as that allows; a 64-split tile was slower (bench/NOTES.md).
     group_p2 = next_pow2(group)
     block_s = max(1, min(32, 8192 // (block_d * group_p2)))
 
@@ -333,11 +327,12 @@ def decode_with_config(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=config.block_n,
-        DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), SPLIT_P=config.split_p and split_p(q.dtype),
+        DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
+        SPLIT_P=config.split_p and split_p(q.dtype),
         FIX_BF16=fix_bf16_rounding(q.dtype), GROUP_P2=group_p2, BLOCK_S=block_s,
         **pdl_launch(q.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    )  # fmt: skip
     return out
 
 

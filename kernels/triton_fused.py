@@ -32,7 +32,6 @@ from kernels.triton_common import (
     round_to,
 )
 
-
 # ---- rms_norm ----
 
 
@@ -292,7 +291,7 @@ def _qk_norm_rope_store_kernel(
 def heads_per_program(num_q_heads: int, num_kv_heads: int) -> int:
     """Heads a qk_norm_rope_store program takes: the largest power of two up to 8 dividing
     both head counts. One program per (token, head) made 65,536 one-warp programs for a
-    2,048-token prefill of Qwen3-0.6B, 42 us a layer on the H200."""
+    2,048-token prefill of Qwen3-0.6B, which was slow (bench/NOTES.md, "Figures behind the code's choices")."""
     heads = 8
     while num_q_heads % heads or num_kv_heads % heads:
         heads //= 2
@@ -332,7 +331,9 @@ def qk_norm_rope_store(
     if out is None:
         q_out = torch.empty((n, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     else:
-        assert out.shape == (n, num_q_heads, head_dim) and out.dtype == q.dtype and out.is_contiguous(), "out: contiguous (N, Hq, D) of q's dtype"
+        assert out.shape == (n, num_q_heads, head_dim) and out.dtype == q.dtype and out.is_contiguous(), (
+            "out: contiguous (N, Hq, D) of q's dtype"
+        )
         q_out = out
     if n == 0:
         return q_out
@@ -360,7 +361,13 @@ def qk_norm_rope_store(
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr, FIX_BF16: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    inter,
+    BLOCK: tl.constexpr,
+    FIX_BF16: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -382,8 +389,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N,
         return out
     block = min(1024, next_pow2(inter))
     _silu_and_mul_kernel[(n, cdiv(inter, block))](  # fmt: skip
-        x, out, x.stride(0), out.stride(0), inter,
-        BLOCK=block, FIX_BF16=fix_bf16_rounding(x.dtype), **pdl_launch(x.device),
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        inter,
+        BLOCK=block,
+        FIX_BF16=fix_bf16_rounding(x.dtype),
+        **pdl_launch(x.device),
         num_warps=min(4, max(1, block // 256)),
     )
     return out

@@ -1,9 +1,9 @@
 """Projections of a few rows in Triton (decode at small batch): y = x @ W^T (+ bias), where
 the whole cost is reading W once.
 
-cuBLAS picks tile shapes made for large M; at one row on the H200, with the weights coming
-from HBM as they do in the model, its kernels for Qwen3-0.6B's projections read them at
-0.3-1.7 TB/s (o_proj 13 us for 4 MB; bench/results/linear_h200.md). `gemv` gives each program
+cuBLAS picks tile shapes made for large M; at one row, with the weights coming from HBM as
+they do in the model, its kernels for Qwen3-0.6B's projections read them far below the copy
+bandwidth (bench/results/linear_h200.md). `gemv` gives each program
 a few output columns over the whole of K, issues all of the program's weight loads at once,
 and multiplies on the CUDA cores: at one row the time is one round of memory latency plus the
 bytes, and no program waits on another (no split K, no second kernel). Two variants fold the
@@ -91,7 +91,14 @@ def _gemv_kernel(
         for k0 in tl.static_range(0, K, BLOCK_K):
             k = k0 + offs_k
             for r in tl.static_range(ROWS):
-                h = _norm_input(x_ptr + r * stride_xm + k, res_ptr + r * stride_rm + k, mask_and(k < K, r < M), HAS_RESIDUAL, dt, FIX_BF16)
+                h = _norm_input(
+                    x_ptr + r * stride_xm + k,
+                    res_ptr + r * stride_rm + k,
+                    mask_and(k < K, r < M),
+                    HAS_RESIDUAL,
+                    dt,
+                    FIX_BF16,
+                )
                 rstd += tl.where(offs_m == r, tl.sum(h * h, axis=0), 0.0)
         rstd = tl.rsqrt(rstd / K + eps)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
@@ -116,15 +123,20 @@ def _gemv_kernel(
                     tl.store(new_res_ptr + r * stride_nrm + k, h.to(dt), mask=mask_and(xm, pid == 0))
                 this_rstd = tl.sum(tl.where(offs_m == r, rstd, 0.0), axis=0)
                 normed = round_to(h * this_rstd, dt, FIX_BF16).to(tl.float32)
-                x = round_to(tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32) * normed, dt, FIX_BF16).to(tl.float32)
+                x = round_to(tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32) * normed, dt, FIX_BF16).to(
+                    tl.float32
+                )
             else:
                 x = tl.load(x_row, mask=xm, other=0.0).to(tl.float32)  # (BLOCK_K,)
             part = tl.sum(w * x[None, :], axis=1)  # (BLOCK_N,)
             acc += tl.where(offs_m[:, None] == r, part[None, :], 0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to(acc, dt, FIX_BF16),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+        round_to(acc, dt, FIX_BF16),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
 def gemv_block_n(n: int, sms: int) -> int:
@@ -168,13 +180,18 @@ def rms_norm_gemv(
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
         new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
     out = _launch_gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, new_residual=new_residual)
-    return out, x if residual is None else new_residual
+    return out, x if new_residual is None else new_residual
 
 
 def _launch_gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False,
-    norm_weight: torch.Tensor | None = None, eps: float = 0.0,  # a norm weight: NORM mode
-    residual: torch.Tensor | None = None, new_residual: torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu_mul: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,  # a norm weight: NORM mode
+    residual: torch.Tensor | None = None,
+    new_residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape
@@ -190,8 +207,8 @@ def _launch_gemv(
     step = GEMV_ELEMS_PER_THREAD * 32 * GEMV_WARPS // block_n
     block_k = max(16, min(next_pow2(k), 64 if interpreting() else step))
     has_residual = residual is not None
-    residual = residual if has_residual else x  # unused by the kernel then
-    new_residual = new_residual if has_residual else x
+    residual = residual if residual is not None else x  # unused by the kernel then
+    new_residual = new_residual if new_residual is not None else x
     _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         residual, norm_weight if norm_weight is not None else x, new_residual, eps,
@@ -205,10 +222,9 @@ def _launch_gemv(
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Where gemv beats cuBLAS on the H200 with weights from HBM (bench/results/linear_h200.md):
-    every projection at one row (Qwen3-0.6B: o 3.3 vs 13.0 us, down 4.8 vs 7.4, q|k|v 4.3 vs
-    4.9, gate|up 5.3 vs 6.0), and the ones into a narrower output (o, down) up to
-    GEMV_MAX_ROWS rows. cuBLAS keeps q|k|v and gate|up from two rows, outputs wider than
+    """Where gemv beats cuBLAS with weights from HBM (bench/results/linear_h200.md): every
+    projection at one row, and the ones into a narrower output (o, down) up to GEMV_MAX_ROWS
+    rows. cuBLAS keeps q|k|v and gate|up from two rows, outputs wider than
     32768 columns, fp32 (exact tests), prefill and larger batches."""
     m = x.shape[0] if x.dim() == 2 else 0
     n, k = weight.shape
@@ -267,7 +283,9 @@ def _silu_mul_linear_kernel(
             up = tl.load(up_rows + k[:, None])
         else:
             k_mask = k < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+            )
             w_mask = k_mask[:, None] & n_mask[None, :]
             gate = tl.load(gate_rows + k[:, None], mask=w_mask, other=0.0)
             up = tl.load(up_rows + k[:, None], mask=w_mask, other=0.0)
@@ -280,8 +298,11 @@ def _silu_mul_linear_kernel(
     gate = round_to(acc_gate, dt, FIX_BF16).to(tl.float32)
     up = round_to(acc_up, dt, FIX_BF16).to(tl.float32)
     silu = round_to(gate / (1.0 + tl.exp(-gate)), dt, FIX_BF16).to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to(silu * up, dt, FIX_BF16),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+        round_to(silu * up, dt, FIX_BF16),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
 def silu_mul_linear(
@@ -292,9 +313,8 @@ def silu_mul_linear(
 ) -> torch.Tensor:  # (M, I), dtype of x
     """SiluAndMul(x @ W^T) in one launch: the MLP's gate|up projection and its activation,
     without the (M, 2I) intermediate. Tiles: 64 rows, 32 activation columns (64 weight rows:
-    96 programs for Qwen3-0.6B's 3,072), 128-deep steps, 5 stages. On the H200 at 64 rows,
-    weights from HBM: 6.31 us against 7.32 for cuBLAS (6.09) and then the SiLU-and-mul
-    kernel."""
+    96 programs for Qwen3-0.6B's 3,072), 128-deep steps, 5 stages: faster at 64 rows than
+    cuBLAS and then the SiLU-and-mul kernel (bench/NOTES.md, "Figures behind the code's choices")."""
     two_i, k = weight.shape
     assert two_i % 2 == 0 and x.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1, (x.shape, weight.shape)
     m, inter = x.shape[0], two_i // 2

@@ -18,7 +18,9 @@ from kernels.triton_decode import DecodeConfig, decode_with_config, paged_decode
 from kernels.triton_prefill import PrefillConfig, paged_prefill_attention, prefill_with_config
 from kernels.triton_store import store_kvcache
 
-TRITON_OPS = KernelOps("triton", store_kvcache, paged_decode_attention, paged_prefill_attention, cascade_decode_attention)
+TRITON_OPS = KernelOps(
+    "triton", store_kvcache, paged_decode_attention, paged_prefill_attention, cascade_decode_attention
+)
 
 __all__ = [
     "TRITON_OPS",

@@ -45,7 +45,6 @@ from kernels.triton_common import (
 )
 
 
-
 @dataclass(frozen=True, slots=True)
 class PrefillConfig:
     block_m: int  # query rows per program
@@ -53,8 +52,8 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     # bf16: P @ V with P as two bf16 terms (kernels.triton_common.mma_pv). Off by default here:
-    # prefill is tensor-core bound and the second product costs a third of its speed (316 ->
-    # 211 TFLOP/s for a 4k prompt on the H200, bench/results/kernels_h200.md).
+    # prefill is tensor-core bound and the second product costs a third of its speed
+    # (bench/results/kernels_h200.md).
     split_p: bool = False
     # GQA heads packed into the rows: a tile holds block_m // G tokens x the G query heads of
     # one KV head, so each K/V tile feeds all of them (taken when G divides block_m).
@@ -66,11 +65,10 @@ SHORT_QUERIES = 64  # new tokens per sequence up to which the prefill kernel tak
 
 def default_prefill_config(dtype: torch.dtype, head_dim: int, max_query_len: int = 0) -> PrefillConfig:
     """16-bit, head_dim <= 128: 128 x 128 tiles, 8 warps (two Hopper warpgroups), 3 stages
-    (the fastest of five configs measured on the H200, bench/results/kernels_h200.md). When
-    no sequence brings more than 64 new tokens (0 < max_query_len <= 64: prompts served
-    mostly from the prefix cache, short chunks), 128-row tiles would be mostly empty: 64 x 64
-    tiles at 4 warps (H200, 64 sequences x 32 new tokens over 1,056-token contexts: 120 us a
-    layer against 229), the GQA heads packed into the rows.
+    (the fastest of five configs measured, bench/results/kernels_h200.md). When no sequence
+    brings more than 64 new tokens (0 < max_query_len <= 64: prompts served mostly from the
+    prefix cache, short chunks), 128-row tiles would be mostly empty: 64 x 64 tiles at 4 warps,
+    about twice as fast there (bench/NOTES.md, "Figures behind the code's choices"), the GQA heads packed into the rows.
     Larger heads and fp32 (whose exact products run on FMA units and need many registers)
     use smaller tiles, chosen so that the compiled kernels do not spill. The interpreter uses
     16 x 16 tiles so that small test shapes still span several tiles."""
@@ -115,7 +113,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT_P: tl.constexpr, FIX_BF16: tl.constexpr, HEADS: tl.constexpr,
-):
+):  # fmt: skip
     # HEADS query heads share each row tile (1, or all GROUP of a KV head): row r holds token
     # r // HEADS of the tile, query head program_id(1) * HEADS + r % HEADS.
     TOKENS: tl.constexpr = BLOCK_M // HEADS  # query tokens per tile
@@ -132,9 +130,7 @@ def _prefill_kernel(
         kv_end = tl.minimum(first_pos + TOKENS, seq_len)  # one past the last key any row sees
         full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # keys below it are seen by every row
 
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
+        offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
         D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
         d_mask = offs_d < HEAD_DIM
         rows = m_start + offs_m // HEADS  # the rows' tokens within the sequence's new ones
@@ -143,7 +139,7 @@ def _prefill_kernel(
         q_pos = first_pos + offs_m // HEADS
         q_offs = (q_start + rows).to(tl.int64)
         q = load_rows(q_ptr + q_offs[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                      row_mask, d_mask, True, D_MASK)  # (BLOCK_M, BLOCK_D)
+                      row_mask, d_mask, True, D_MASK)  # (BLOCK_M, BLOCK_D)  # fmt: skip
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -158,11 +154,11 @@ def _prefill_kernel(
             block = tl.load(table + tok // PAGE).to(tl.int64)
             slot = tok % PAGE
             k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                          offs_n, d_mask, False, D_MASK)  # (BLOCK_N, BLOCK_D)
+                          offs_n, d_mask, False, D_MASK)  # (BLOCK_N, BLOCK_D)  # fmt: skip
             qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
             v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                          offs_n, d_mask, False, D_MASK)
+                          offs_n, d_mask, False, D_MASK)  # fmt: skip
             acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
 
         # Phase 2: key tiles across the diagonal, causal mask. No row's running max stays -inf:
@@ -173,18 +169,19 @@ def _prefill_kernel(
             block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
             slot = tok % PAGE
             k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                          t_mask, d_mask, True, D_MASK)
+                          t_mask, d_mask, True, D_MASK)  # fmt: skip
             qk = mma(q, tl.trans(k), PRECISION, UPCAST)
             visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
             qk = tl.where(visible, qk, float("-inf"))
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
             v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                          t_mask, d_mask, True, D_MASK)
+                          t_mask, d_mask, True, D_MASK)  # fmt: skip
             acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
 
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_offs[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 round_to(out, out_ptr.dtype.element_ty, FIX_BF16), mask=row_mask[:, None] & d_mask[None, :])
+                 round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
+                 mask=row_mask[:, None] & d_mask[None, :])  # fmt: skip
 
 
 def prefill_with_config(
@@ -228,7 +225,7 @@ def prefill_with_config(
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), SPLIT_P=config.split_p and split_p(q.dtype),
         FIX_BF16=fix_bf16_rounding(q.dtype), HEADS=heads,
         num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    )  # fmt: skip
     return out
 
 
@@ -243,4 +240,6 @@ def paged_prefill_attention(
     max_query_len: int = 0,  # the most new tokens of one sequence if known (0: not): picks the tiles
 ) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
     """Triton version of kernels.reference.paged_prefill_attention_ref."""
-    return prefill_with_config(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len=max_query_len)
+    return prefill_with_config(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len=max_query_len
+    )

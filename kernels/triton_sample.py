@@ -13,8 +13,8 @@ Two launches. The vocabulary of each row is cut into `num_chunks` column ranges,
 each, which keep a running argmax and write their best value and column; a second kernel, one
 program per row, picks the best of its chunks (with one chunk a row the first kernel writes
 the draw and the second is not launched). One program per row (the first version) left
-an H200 mostly idle below a few hundred rows and spent ~128 us at B = 64 on 151,936 columns,
-compute-bound on the noise; chunks give every batch size about PROGRAMS_PER_SM programs per SM.
+the GPU mostly idle below a few hundred rows, compute-bound on the noise (bench/NOTES.md);
+chunks give every batch size about PROGRAMS_PER_SM programs per SM.
 
 Rows marked greedy take the plain argmax (first index among equal maxima, as torch.argmax).
 Rows with top-k, top-p, min-p, penalties, logprobs or their own seeded generator stay on the
@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import cdiv, interpreting, next_pow2, num_sms
-
 
 PROGRAMS_PER_SM = 4  # resident programs of 8 warps per SM, enough to hide Philox and the loads
 BLOCK = 2048  # columns per loop step on a GPU
@@ -148,5 +147,7 @@ def gumbel_sample(
     if final:
         return out
     # CHUNKS bounds num_chunks for any batch of this vocabulary: one compiled pick kernel
-    _gumbel_pick_kernel[(batch,)](best, best_idx, out, num_chunks, CHUNKS=max(2, next_pow2(cdiv(vocab, block))), num_warps=1)
+    _gumbel_pick_kernel[(batch,)](
+        best, best_idx, out, num_chunks, CHUNKS=max(2, next_pow2(cdiv(vocab, block))), num_warps=1
+    )
     return out

@@ -3,13 +3,14 @@ decode batches of 33-64 (Qwen3-0.6B: 1,024 outputs from 2,048 and 3,072 inputs).
 
 With 64-row tiles such a product has few output tiles (32 at 32 columns a tile), so a kernel
 that gives each tile all of K keeps a quarter of the H200's SMs busy and walks K in a long
-chain of dependent loads; cuBLAS takes 5.8 and 8.0 us for bytes that need 1 and 1.5. Here
-each program takes one output tile over a slice of K (a grid of tiles x SPLIT), writes its
-fp32 partial sums to a workspace and takes a ticket; the tile's last program to arrive adds
-the SPLIT partials in slice order (so the result does not depend on who arrives last),
-rounds once and stores the tile, then puts the ticket counter back to zero for the next
-launch. One launch, no memset, no second kernel. The tickets are the decode kernel's arrival
-counters (kernels.triton_decode.arrival_counters): every launch of either leaves them at zero.
+chain of dependent loads, and cuBLAS takes several times what the bytes need (bench/NOTES.md,
+"Figures behind the code's choices"). Here each program takes one output tile over a slice
+of K (a grid of tiles x SPLIT), writes its fp32 partial sums to a workspace and takes a
+ticket; the tile's last program to arrive adds the SPLIT partials in slice order (so the
+result does not depend on who arrives last), rounds once and stores the tile, then puts the
+ticket counter back to zero for the next launch. One launch, no memset, no second kernel. The
+tickets are the decode kernel's arrival counters (kernels.triton_decode.arrival_counters):
+every launch of either leaves them at zero.
 
 The same kernel carries a decoder layer's deferred norms (model_svc.models.llama,
 LlamaDecoderLayer.forward_deferred): `splitk_add_residual` adds o_proj's or down_proj's output
@@ -60,7 +61,7 @@ def _workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M: tl.con
 @triton.jit
 def _store_tile(total, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles,
                 offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS: tl.constexpr,
-                ROW_SCALE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, FIX_BF16: tl.constexpr):
+                ROW_SCALE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, FIX_BF16: tl.constexpr):  # fmt: skip
     """An output tile's fp32 sums, scaled by its rows' RMSNorm factors rstd (ROW_SCALE), + bias,
     rounded once, stored; with ADD_RESIDUAL added to resid (out's tile as it was, the residual;
     rounded as the fused norm's residual add rounds) and the new rows' sums of squares over the
@@ -108,7 +109,9 @@ def _splitk_linear_kernel(
     else:
         rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
     if ADD_RESIDUAL:  # likewise; only this tile's last program writes the tile, after its loads
-        resid = tl.load(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        resid = tl.load(
+            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0
+        )
     else:
         resid = tl.zeros((BLOCK_M, BLOCK_N), out_ptr.dtype.element_ty)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -123,12 +126,14 @@ def _splitk_linear_kernel(
             w = tl.load(w_cols + k[:, None])
         else:
             k_mask = (k < K) & (k0 + offs_k < K_SLICE)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+            )
             w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(x, w, acc) if not UPCAST else acc + mma(x, w, PRECISION, UPCAST)
     if SPLIT == 1:
         _store_tile(acc, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles,
-                    offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS, ROW_SCALE, ADD_RESIDUAL, FIX_BF16)
+                    offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS, ROW_SCALE, ADD_RESIDUAL, FIX_BF16)  # fmt: skip
     else:
         tl.store(_workspace_tile(ws_ptr, pid_s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N), acc)
         tl.debug_barrier()  # every thread's partials are written before the ticket (a release) is taken
@@ -138,9 +143,9 @@ def _splitk_linear_kernel(
             total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in tl.static_range(SPLIT):  # in slice order, whoever arrives last
                 total += tl.load(_workspace_tile(ws_ptr, s, pid_n, num_tiles, offs_m, offs_c, BLOCK_M, BLOCK_N),
-                                 cache_modifier=".cg")
-            _store_tile(total, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles,
-                        offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS, ROW_SCALE, ADD_RESIDUAL, FIX_BF16)
+                                 cache_modifier=".cg")  # fmt: skip
+            _store_tile(total, rstd, resid, b_ptr, out_ptr, sums_out_ptr, pid_n, num_tiles, offs_m, offs_n,
+                        m_mask, n_mask, stride_om, HAS_BIAS, ROW_SCALE, ADD_RESIDUAL, FIX_BF16)  # fmt: skip
 
 
 class SplitKConfig(NamedTuple):
@@ -153,13 +158,11 @@ class SplitKConfig(NamedTuple):
 
 def splitk_config(m: int, n: int, k: int) -> SplitKConfig:
     """On the GPU, outputs narrower than the input (o_proj, down_proj): 32-column tiles, K in 4
-    slices (Qwen3-0.6B's 1,024 outputs: 128 programs), 128-deep steps. Best of 40 tilings on
-    the H200 at 64 rows, weights from HBM: o_proj 5.58 us (cuBLAS 5.84), down_proj 6.22
-    (cuBLAS 8.00); six or eight slices, or 64-column tiles, were slower. Wider outputs (q|k|v
-    with the deferred norm): one slice, 32-column tiles, 256-deep steps, four stages: 5.55 us
-    at Qwen3-0.6B's 4,096 x 1,024, cuBLAS 5.50 (and 7.23 with the RMSNorm launch before it);
-    best of 34 tilings (64-column tiles, 64- or 128-deep steps, 3-5 stages, 8 warps: 5.58 to
-    6.3 us), two or four slices 7.3 / 10.1 us."""
+    slices (Qwen3-0.6B's 1,024 outputs: 128 programs), 128-deep steps, the best of the tilings
+    measured; six or eight slices, or 64-column tiles, were slower. Wider outputs (q|k|v with
+    the deferred norm): one slice, 32-column tiles, 256-deep steps, four stages, level with
+    cuBLAS and faster than cuBLAS plus the RMSNorm launch before it; more slices were slower.
+    The measurements: bench/NOTES.md, "Figures behind the code's choices"."""
     if n >= k:
         return SplitKConfig(32, 1, 256, 4, 4)
     return SplitKConfig(32, max(1, min(4, k // 256)), 128, 4, 4)
@@ -198,8 +201,12 @@ def splitk_add_residual(
     residual rows' sums of squares, one part per output tile: the row_sums of the next
     projection, which then normalises in its epilogue instead of a norm launch in between."""
     assert residual.shape == (x.shape[0], weight.shape[0]) and residual.dtype == x.dtype and residual.stride(-1) == 1, (
-        residual.shape, residual.dtype)
-    return _launch(x, weight, bias, residual, split, block_n, None, 0.0, add_residual=True)
+        residual.shape,
+        residual.dtype,
+    )
+    sums = _launch(x, weight, bias, residual, split, block_n, None, 0.0, add_residual=True)
+    assert sums is not None, "add_residual returns them"
+    return sums
 
 
 def _tiling(m: int, n: int, k: int, split: int | None, block_n: int | None) -> tuple[SplitKConfig, int]:
@@ -228,7 +235,9 @@ def _launch(x, weight, bias, out, split, block_n, row_sums, eps, add_residual: b
     if m == 0:
         return sums_out
     block_m = max(16, next_pow2(m))
-    workspace = torch.empty((split, tiles, block_m, block_n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    workspace = torch.empty(
+        (split, tiles, block_m, block_n) if split > 1 else (1,), dtype=torch.float32, device=x.device
+    )
     num_sums_in = row_sums.shape[1] if row_sums is not None else 1
     _splitk_linear_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, out, workspace, arrival_counters(x.device, tiles),

@@ -179,14 +179,29 @@ class BlockPool:
         _require(not (free & cached), "a block is both free and cached")
         for block in self.blocks:
             refs = referenced.get(block.block_id, 0)
-            _require(block.ref_count == refs, f"{self.tier.name} block {block.block_id}: ref {block.ref_count} but {refs} table entries")
+            _require(
+                block.ref_count == refs,
+                f"{self.tier.name} block {block.block_id}: ref {block.ref_count} but {refs} table entries",
+            )
             is_free, is_cached, is_used = block.block_id in free, block.block_id in cached, block.ref_count > 0
-            _require(is_free + is_cached + is_used == 1, f"{self.tier.name} block {block.block_id} in {is_free, is_cached, is_used}")
+            _require(
+                is_free + is_cached + is_used == 1,
+                f"{self.tier.name} block {block.block_id} in {is_free, is_cached, is_used}",
+            )
             if is_free:
                 _require(block.block_hash is None, f"free block {block.block_id} keeps a hash")
             if is_cached:
                 _require(block.block_hash is not None, f"cached block {block.block_id} has no hash")
             if block.block_hash is not None:
-                _require(self.hash_to_block.get(block.block_hash) == block.block_id, f"block {block.block_id}'s hash maps elsewhere")
-        _require(len(free) + len(cached) + sum(b.ref_count > 0 for b in self.blocks) == self.num_blocks, "the counts do not add up")
-        _require(len(self.hash_to_block) == sum(b.block_hash is not None for b in self.blocks), "the hash index and the blocks differ")
+                _require(
+                    self.hash_to_block.get(block.block_hash) == block.block_id,
+                    f"block {block.block_id}'s hash maps elsewhere",
+                )
+        _require(
+            len(free) + len(cached) + sum(b.ref_count > 0 for b in self.blocks) == self.num_blocks,
+            "the counts do not add up",
+        )
+        _require(
+            len(self.hash_to_block) == sum(b.block_hash is not None for b in self.blocks),
+            "the hash index and the blocks differ",
+        )

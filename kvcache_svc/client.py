@@ -12,8 +12,8 @@ ApplyStep is on the wire: the caller acts on local answers the service has not c
 yet. A mismatch found for such a batch therefore resets the pools instead of adopting the
 service's state (the model may have written blocks the service holds as cached prefixes).
 
-Transports: `InProcessTransport` (a KVCacheService in this process) and `GrpcTransport`.
-Embedded mode uses KVCacheManager directly and records nothing.
+The transport is `GrpcTransport` (tests put a KVCacheService in the same process behind the
+same `KVTransport` interface). Embedded mode uses KVCacheManager directly and records nothing.
 
 Per step the client's cost grows with the batch (one AppendSlots op per running sequence),
 so the hot path avoids per-op work where it can: the gRPC transport builds the request and
@@ -40,7 +40,17 @@ from contracts.rpc import CHANNEL_OPTIONS, call_with_retry
 from kvcache_svc import convert
 from kvcache_svc.manager import Allocated, Appended, KVCacheManager, NoFreeBlocks
 from kvcache_svc.ops import (
-    AllocateOp, AppendSlotsOp, CacheBlocksOp, ForkOp, FreeOp, Op, OpResult, PoolConfig, ResetOp, SwapInOp, SwapOutOp,
+    AllocateOp,
+    AppendSlotsOp,
+    CacheBlocksOp,
+    ForkOp,
+    FreeOp,
+    Op,
+    OpResult,
+    PoolConfig,
+    ResetOp,
+    SwapInOp,
+    SwapOutOp,
 )
 from kvcache_svc.state import KVState, import_state
 from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
@@ -61,8 +71,9 @@ class KVOutOfSync(FailedPrecondition):
 class KVTransport(Protocol):
     def apply_step(self, step: int, ops: list[Op], retry_until: float, timeout: float) -> list[OpResult]: ...
 
-    def start_apply_step(self, step: int, ops: list[Op], timeout: float,
-                         expected: list[OpResult] | None = None) -> Callable[[float], list[OpResult] | None]:
+    def start_apply_step(
+        self, step: int, ops: list[Op], timeout: float, expected: list[OpResult] | None = None
+    ) -> Callable[[float], list[OpResult] | None]:
         """Send now; the returned function (given the retry deadline) waits for the answer:
         the results, or None when the transport has already found them equal to `expected`."""
         ...
@@ -125,13 +136,21 @@ class KVClient:
         self._ops.append(op)
         self._expected.append(expected)
 
-    def allocate(self, seq_id: str, token_ids: list[int], num_new_tokens: int, extra_key: str | None = None,
-                 token_bytes: bytes | None = None) -> Allocated | NoFreeBlocks:
+    def allocate(
+        self,
+        seq_id: str,
+        token_ids: list[int],
+        num_new_tokens: int,
+        extra_key: str | None = None,
+        token_bytes: bytes | None = None,
+    ) -> Allocated | NoFreeBlocks:
         result = self.manager.allocate(seq_id, token_ids, num_new_tokens, extra_key, token_bytes)
         if not isinstance(result, NoFreeBlocks):  # a refusal changes nothing: nothing to send
             # block_ids is the live table: keep a copy of what the answer must be.
-            self._record(AllocateOp(seq_id, list(token_ids), num_new_tokens, extra_key),
-                         Allocated(result.num_cached_tokens, result.num_new_tokens, list(result.block_ids)))
+            self._record(
+                AllocateOp(seq_id, list(token_ids), num_new_tokens, extra_key),
+                Allocated(result.num_cached_tokens, result.num_new_tokens, list(result.block_ids)),
+            )
         return result
 
     def append_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> Appended | NoFreeBlocks:
@@ -152,7 +171,9 @@ class KVClient:
         manager.cache_blocks(seq_id, token_ids, num_computed_tokens)
         after = seq.num_hashed_blocks
         if after != before:  # e.g. no prefix caching, or swapped out: nothing to send
-            self._record(CacheBlocksOp(seq_id, before * bs, list(token_ids[before * bs : after * bs]), num_computed_tokens), None)
+            self._record(
+                CacheBlocksOp(seq_id, before * bs, list(token_ids[before * bs : after * bs]), num_computed_tokens), None
+            )
 
     def free(self, seq_id: str) -> None:
         self.manager.free(seq_id)
@@ -212,7 +233,9 @@ class KVClient:
             self._seal()
             if len(self._batches) == 1:  # the usual case; re-sends of older batches go one by one in _commit
                 batch = self._batches[0]
-                sent = self.transport.start_apply_step(batch.step, batch.ops, self._rpc_timeout(timeout), batch.expected)
+                sent = self.transport.start_apply_step(
+                    batch.step, batch.ops, self._rpc_timeout(timeout), batch.expected
+                )
         self.commit_seconds += time.monotonic() - start
         self._unconfirmed = True
         return lambda: self._commit(timeout, sent, seal=False)
@@ -226,7 +249,9 @@ class KVClient:
     def _rpc_timeout(self, timeout: float | None) -> float:
         return self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
 
-    def _commit(self, timeout: float | None, sent: Callable[[float], list[OpResult] | None] | None, seal: bool = True) -> None:
+    def _commit(
+        self, timeout: float | None, sent: Callable[[float], list[OpResult] | None] | None, seal: bool = True
+    ) -> None:
         """`sent`: the answer of the first batch, already sent by start_commit() (None from
         it: the transport found the results equal to the batch's expected ones). `seal`:
         send what was recorded meanwhile too (commit()); start_commit()'s wait does not, so
@@ -292,30 +317,7 @@ def _first_diff(got: list[OpResult], want: list[OpResult]) -> str:
     return "equal"
 
 
-# ----------------------------------------------------------------- transports
-class InProcessTransport:
-    """A KVCacheService in this process; ops and results go through the proto conversion
-    as they would on the wire."""
-
-    def __init__(self, service: Any) -> None:
-        self.service = service
-
-    def apply_step(self, step: int, ops: list[Op], retry_until: float, timeout: float) -> list[OpResult]:
-        wire_ops = [convert.op_from_pb(convert.op_to_pb(op)) for op in ops]
-        results = self.service.apply_step(step, wire_ops)
-        return [convert.result_from_pb(r) for r in convert.step_response(step, results).results]
-
-    def start_apply_step(self, step: int, ops: list[Op], timeout: float,
-                         expected: list[OpResult] | None = None) -> Callable[[float], list[OpResult] | None]:
-        # Applied when the answer is awaited, i.e. after the caller's model step: the order
-        # a slow wire gives, so tests see the engine act on unconfirmed answers. The results
-        # are returned for the client to compare (`expected` is not used).
-        return lambda retry_until: self.apply_step(step, ops, retry_until, timeout)
-
-    def get_state(self, retry_until: float, timeout: float) -> KVState:
-        return convert.state_from_pb(convert.state_to_pb(self.service.get_state()))
-
-
+# ----------------------------------------------------------------- transport
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVCacheService"]
 _APPLY_STEP_PATH = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['ApplyStep'].name}"
 
@@ -350,34 +352,47 @@ class GrpcTransport:
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.KVCacheServiceStub(self.channel)
         # `token`: the internal token, presented on every call (contracts.auth).
-        self._apply_step_raw = with_token(self.channel.unary_unary(
-            _APPLY_STEP_PATH, request_serializer=pb.ApplyStepRequest.SerializeToString, response_deserializer=None,
-            _registered_method=True), token)
+        self._apply_step_raw = with_token(
+            self.channel.unary_unary(
+                _APPLY_STEP_PATH,
+                request_serializer=pb.ApplyStepRequest.SerializeToString,
+                response_deserializer=None,
+                _registered_method=True,
+            ),
+            token,
+        )
         self._get_state = with_token(self.stub.GetState, token)
         self._what = f"kvcache {address} ApplyStep"
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-apply-step")
 
     def apply_step(self, step: int, ops: list[Op], retry_until: float, timeout: float) -> list[OpResult]:
-        raw = call_with_retry(self._apply_step_raw, convert.step_request(step, ops), retry_until, timeout, self._what, KVUnavailable)
+        raw = call_with_retry(
+            self._apply_step_raw, convert.step_request(step, ops), retry_until, timeout, self._what, KVUnavailable
+        )
         return _results(raw)
 
-    def start_apply_step(self, step: int, ops: list[Op], timeout: float,
-                         expected: list[OpResult] | None = None) -> Callable[[float], list[OpResult] | None]:
+    def start_apply_step(
+        self, step: int, ops: list[Op], timeout: float, expected: list[OpResult] | None = None
+    ) -> Callable[[float], list[OpResult] | None]:
         # The first attempt runs on a long-lived sender thread while the caller runs the
-        # model step; a failed one is retried when awaited. Not a gRPC `.future()`: that
-        # measured ~1 ms to issue on the CPU (a thread start per call), the hand-off ~0.05 ms.
+        # model step; a failed one is retried when awaited. Not a gRPC `.future()`: it starts
+        # a thread per call, far slower to issue than the hand-off (bench/NOTES.md).
         job = self._sender.submit(self._first_attempt, step, ops, timeout, expected)
 
         def wait(retry_until: float) -> list[OpResult] | None:
             first = job.result()
-            raw = call_with_retry(self._apply_step_raw, first.request, retry_until, timeout, self._what, KVUnavailable, first.answer)
+            raw = call_with_retry(
+                self._apply_step_raw, first.request, retry_until, timeout, self._what, KVUnavailable, first.answer
+            )
             if first.matched and raw is first.raw:
                 return None
             return _results(raw)
 
         return wait
 
-    def _first_attempt(self, step: int, ops: list[Op], timeout: float, expected: list[OpResult] | None) -> _FirstAttempt:
+    def _first_attempt(
+        self, step: int, ops: list[Op], timeout: float, expected: list[OpResult] | None
+    ) -> _FirstAttempt:
         """On the sender thread: build and send the request; compare the answer with what the
         expected results serialize to (the service builds its answer the same way)."""
         first = _FirstAttempt(convert.step_request(step, ops))
@@ -390,7 +405,14 @@ class GrpcTransport:
         return first
 
     def get_state(self, retry_until: float, timeout: float) -> KVState:
-        resp = call_with_retry(self._get_state, pb.GetStateRequest(), retry_until, timeout, f"kvcache {self.address} GetState", KVUnavailable)
+        resp = call_with_retry(
+            self._get_state,
+            pb.GetStateRequest(),
+            retry_until,
+            timeout,
+            f"kvcache {self.address} GetState",
+            KVUnavailable,
+        )
         return convert.state_from_pb(resp.state)
 
     def close(self) -> None:

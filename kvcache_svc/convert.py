@@ -12,13 +12,23 @@ from collections.abc import Iterable
 from kvcache_svc.block_pool import Tier
 from kvcache_svc.manager import Allocated, Appended, NoFreeBlocks
 from kvcache_svc.ops import (
-    AllocateOp, AppendSlotsOp, CacheBlocksOp, ForkOp, FreeOp, Op, OpResult, PoolConfig, ResetOp, SwapInOp, SwapOutOp,
+    AllocateOp,
+    AppendSlotsOp,
+    CacheBlocksOp,
+    ForkOp,
+    FreeOp,
+    Op,
+    OpResult,
+    PoolConfig,
+    ResetOp,
+    SwapInOp,
+    SwapOutOp,
 )
 from kvcache_svc.state import BlockRecord, KVState, PoolSnapshot, SeqSnapshot
 from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
 
 _TIER_TO_PB = {Tier.DEVICE: pb.TIER_DEVICE, Tier.HOST: pb.TIER_HOST}
-_TIER_FROM_PB = {v: k for k, v in _TIER_TO_PB.items()}
+_TIER_FROM_PB: dict[int, Tier] = {v: k for k, v in _TIER_TO_PB.items()}
 
 
 def tier_from_pb(value: int) -> Tier:
@@ -29,8 +39,13 @@ def tier_from_pb(value: int) -> Tier:
 
 # ----------------------------------------------------------------- config
 def config_to_pb(c: PoolConfig) -> pb.PoolConfig:
-    return pb.PoolConfig(num_device_blocks=c.num_device_blocks, num_host_blocks=c.num_host_blocks, block_size=c.block_size,
-                         enable_prefix_caching=c.enable_prefix_caching, epoch=c.epoch)
+    return pb.PoolConfig(
+        num_device_blocks=c.num_device_blocks,
+        num_host_blocks=c.num_host_blocks,
+        block_size=c.block_size,
+        enable_prefix_caching=c.enable_prefix_caching,
+        epoch=c.epoch,
+    )
 
 
 def config_from_pb(m: pb.PoolConfig) -> PoolConfig:
@@ -40,12 +55,26 @@ def config_from_pb(m: pb.PoolConfig) -> PoolConfig:
 # ----------------------------------------------------------------- ops
 def op_to_pb(op: Op) -> pb.BlockOp:
     if isinstance(op, AppendSlotsOp):
-        return pb.BlockOp(append_slots=pb.AppendSlotsOp(seq_id=op.seq_id, num_computed_tokens=op.num_computed_tokens, num_new_tokens=op.num_new_tokens))
+        return pb.BlockOp(
+            append_slots=pb.AppendSlotsOp(
+                seq_id=op.seq_id, num_computed_tokens=op.num_computed_tokens, num_new_tokens=op.num_new_tokens
+            )
+        )
     if isinstance(op, CacheBlocksOp):
-        return pb.BlockOp(cache_blocks=pb.CacheBlocksOp(seq_id=op.seq_id, token_offset=op.token_offset, token_ids=op.token_ids,
-                                                        num_computed_tokens=op.num_computed_tokens))
+        return pb.BlockOp(
+            cache_blocks=pb.CacheBlocksOp(
+                seq_id=op.seq_id,
+                token_offset=op.token_offset,
+                token_ids=op.token_ids,
+                num_computed_tokens=op.num_computed_tokens,
+            )
+        )
     if isinstance(op, AllocateOp):
-        return pb.BlockOp(allocate=pb.AllocateOp(seq_id=op.seq_id, token_ids=op.token_ids, num_new_tokens=op.num_new_tokens, extra_key=op.extra_key))
+        return pb.BlockOp(
+            allocate=pb.AllocateOp(
+                seq_id=op.seq_id, token_ids=op.token_ids, num_new_tokens=op.num_new_tokens, extra_key=op.extra_key
+            )
+        )
     if isinstance(op, FreeOp):
         return pb.BlockOp(free=pb.FreeOp(seq_id=op.seq_id))
     if isinstance(op, SwapOutOp):
@@ -126,13 +155,24 @@ def result_to_pb(r: OpResult) -> pb.OpResult:
             m = pb.OpResult()
             m.appended.SetInParent()
             return m
-        return pb.OpResult(appended=pb.AppendResult(
-            new_block_ids=r.new_block_ids, copies=_copies_to_pb(r.copies),
-            replaced_index=[i for i, _ in r.replaced], replaced_block=[b for _, b in r.replaced]))
+        return pb.OpResult(
+            appended=pb.AppendResult(
+                new_block_ids=r.new_block_ids,
+                copies=_copies_to_pb(r.copies),
+                replaced_index=[i for i, _ in r.replaced],
+                replaced_block=[b for _, b in r.replaced],
+            )
+        )
     if isinstance(r, Allocated):
-        return pb.OpResult(allocated=pb.AllocateResult(num_cached_tokens=r.num_cached_tokens, num_new_tokens=r.num_new_tokens, block_ids=r.block_ids))
+        return pb.OpResult(
+            allocated=pb.AllocateResult(
+                num_cached_tokens=r.num_cached_tokens, num_new_tokens=r.num_new_tokens, block_ids=r.block_ids
+            )
+        )
     if isinstance(r, NoFreeBlocks):
-        return pb.OpResult(no_free_blocks=pb.NoFreeBlocksResult(needed=r.needed, available=r.available, tier=_TIER_TO_PB[r.tier]))
+        return pb.OpResult(
+            no_free_blocks=pb.NoFreeBlocksResult(needed=r.needed, available=r.available, tier=_TIER_TO_PB[r.tier])
+        )
     return pb.OpResult(swapped=_copies_to_pb(r))
 
 
@@ -169,13 +209,25 @@ def step_response(step: int, results: list[OpResult]) -> pb.ApplyStepResponse:
 
 # ----------------------------------------------------------------- state
 def _pool_to_pb(p: PoolSnapshot) -> pb.PoolState:
-    blocks = [pb.BlockState(block_id=b.block_id, ref_count=b.ref_count, block_hash=b.block_hash, token_ids=b.token_ids or ()) for b in p.blocks]
-    return pb.PoolState(num_blocks=p.num_blocks, blocks=blocks, free_ids=p.free_ids, lru_ids=p.lru_ids, num_evictions=p.num_evictions)
+    blocks = [
+        pb.BlockState(block_id=b.block_id, ref_count=b.ref_count, block_hash=b.block_hash, token_ids=b.token_ids or ())
+        for b in p.blocks
+    ]
+    return pb.PoolState(
+        num_blocks=p.num_blocks, blocks=blocks, free_ids=p.free_ids, lru_ids=p.lru_ids, num_evictions=p.num_evictions
+    )
 
 
 def _pool_from_pb(m: pb.PoolState) -> PoolSnapshot:
-    blocks = [BlockRecord(b.block_id, b.ref_count, b.block_hash if b.HasField("block_hash") else None,
-                          tuple(b.token_ids) if b.HasField("block_hash") else None) for b in m.blocks]
+    blocks = [
+        BlockRecord(
+            b.block_id,
+            b.ref_count,
+            b.block_hash if b.HasField("block_hash") else None,
+            tuple(b.token_ids) if b.HasField("block_hash") else None,
+        )
+        for b in m.blocks
+    ]
     return PoolSnapshot(m.num_blocks, blocks, m.free_ids[:], m.lru_ids[:], m.num_evictions)
 
 
@@ -186,15 +238,40 @@ def state_to_pb(s: KVState) -> pb.KVState:
     if s.device is not None and s.host is not None:
         m.device.CopyFrom(_pool_to_pb(s.device))
         m.host.CopyFrom(_pool_to_pb(s.host))
-    m.seqs.extend(pb.SeqState(seq_id=q.seq_id, tier=_TIER_TO_PB[q.tier], block_ids=q.block_ids, extra_key=q.extra_key,
-                              num_hashed_blocks=q.num_hashed_blocks, last_hash=q.last_hash) for q in s.seqs)
+    m.seqs.extend(
+        pb.SeqState(
+            seq_id=q.seq_id,
+            tier=_TIER_TO_PB[q.tier],
+            block_ids=q.block_ids,
+            extra_key=q.extra_key,
+            num_hashed_blocks=q.num_hashed_blocks,
+            last_hash=q.last_hash,
+        )
+        for q in s.seqs
+    )
     return m
 
 
 def state_from_pb(m: pb.KVState) -> KVState:
     if not m.HasField("config"):
         return KVState(None, m.step)
-    seqs = [SeqSnapshot(q.seq_id, tier_from_pb(q.tier), q.block_ids[:], q.extra_key if q.HasField("extra_key") else None,
-                        q.num_hashed_blocks, q.last_hash if q.HasField("last_hash") else None) for q in m.seqs]
-    return KVState(config_from_pb(m.config), m.step, _pool_from_pb(m.device), _pool_from_pb(m.host), seqs,
-                   m.num_prefix_queries, m.num_prefix_hits)
+    seqs = [
+        SeqSnapshot(
+            q.seq_id,
+            tier_from_pb(q.tier),
+            q.block_ids[:],
+            q.extra_key if q.HasField("extra_key") else None,
+            q.num_hashed_blocks,
+            q.last_hash if q.HasField("last_hash") else None,
+        )
+        for q in m.seqs
+    ]
+    return KVState(
+        config_from_pb(m.config),
+        m.step,
+        _pool_from_pb(m.device),
+        _pool_from_pb(m.host),
+        seqs,
+        m.num_prefix_queries,
+        m.num_prefix_hits,
+    )

@@ -11,9 +11,9 @@ BlockOpError, also under `python -O`, and changes nothing either.
 from __future__ import annotations
 
 from array import array
-from hashlib import blake2b
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from hashlib import blake2b
 
 from kvcache_svc.block_pool import BlockOpError, BlockPool, Tier
 
@@ -25,9 +25,6 @@ class NoFreeBlocks:
     needed: int
     available: int
     tier: Tier = Tier.DEVICE
-
-    def __bool__(self) -> bool:  # lets callers write `if not result:`
-        return False
 
 
 @dataclass(slots=True)
@@ -65,8 +62,14 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_key: s
     return next(chain_hashes(token_ids, len(token_ids), 0, 1, parent_hash, extra_key))
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int, start_block: int, end_block: int,
-                 parent_hash: int | None, extra_key: str | None) -> Iterator[int]:
+def chain_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    start_block: int,
+    end_block: int,
+    parent_hash: int | None,
+    extra_key: str | None,
+) -> Iterator[int]:
     """hash_block of blocks start_block .. end_block - 1 of token_ids, each chained to the one
     before (the first to parent_hash)."""
     data = array("q", token_ids[start_block * block_size : end_block * block_size]).tobytes()
@@ -96,7 +99,10 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pools = {Tier.DEVICE: BlockPool(num_device_blocks, Tier.DEVICE), Tier.HOST: BlockPool(num_host_blocks, Tier.HOST)}
+        self.pools = {
+            Tier.DEVICE: BlockPool(num_device_blocks, Tier.DEVICE),
+            Tier.HOST: BlockPool(num_host_blocks, Tier.HOST),
+        }
         self.seqs: dict[str, SeqBlocks] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up
         self.num_prefix_hits = 0  # of those, tokens served from the cache
@@ -139,7 +145,9 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, token_ids: list[int], extra_key: str | None = None, token_bytes: bytes | None = None) -> PrefixHit:
+    def match_prefix(
+        self, token_ids: list[int], extra_key: str | None = None, token_bytes: bytes | None = None
+    ) -> PrefixHit:
         """Longest run of full cached device blocks that starts the prompt. At least the last
         prompt token is always left to compute (its logits are needed). token_bytes: the same
         tokens as int64 bytes when the caller has them (the engine's check of a prompt makes
@@ -157,7 +165,9 @@ class KVCacheManager:
         rest = _chain_bytes(data[known * width :], width, hashes[-1] if hashes else None, extra_key)
         # The last prompt's hits, for the blocks this one shares with it: a block that still
         # holds the very token tuple it was verified against needs no new tuple and compare.
-        hits = self._recent_hits[: pool.num_still_held(hashes, self._recent_hits[: min(known, num_blocks)], self._recent_epoch)]
+        hits = self._recent_hits[
+            : pool.num_still_held(hashes, self._recent_hits[: min(known, num_blocks)], self._recent_epoch)
+        ]
         block_ids = [block_id for block_id, _ in hits]
         for i in range(len(hits), num_blocks):
             if i >= known:  # hashed on demand: a miss early in the prompt hashes no further
@@ -166,7 +176,9 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-            hits.append((block_id, pool.blocks[block_id].token_ids))
+            held = pool.blocks[block_id].token_ids
+            assert held is not None, "a hit was compared with the block's tokens"
+            hits.append((block_id, held))
         self._recent = (data[: len(hashes) * width], hashes, extra_key)
         self._recent_hits, self._recent_epoch = hits, pool.hash_epoch
         return PrefixHit(len(block_ids) * bs, block_ids)
@@ -193,8 +205,14 @@ class KVCacheManager:
         return hashes[:lo]
 
     # ----------------------------------------------------------------- operations
-    def allocate(self, seq_id: str, token_ids: list[int], num_new_tokens: int, extra_key: str | None = None,
-                 token_bytes: bytes | None = None) -> Allocated | NoFreeBlocks:
+    def allocate(
+        self,
+        seq_id: str,
+        token_ids: list[int],
+        num_new_tokens: int,
+        extra_key: str | None = None,
+        token_bytes: bytes | None = None,
+    ) -> Allocated | NoFreeBlocks:
         """New sequence: take its longest cached prefix, then blocks for `num_new_tokens`
         more tokens (clamped to the rest of the prompt). token_bytes: see match_prefix."""
         self._new_seq_id(seq_id)
@@ -209,7 +227,9 @@ class KVCacheManager:
                 return NoFreeBlocks(num_needed, available)
         pool.acquire_all(hit.block_ids)
         block_ids = hit.block_ids + pool.allocate(num_needed)
-        last_hash = pool.blocks[hit.block_ids[-1]].block_hash if hit.block_ids else None  # the chain continues from the hit
+        last_hash = (
+            pool.blocks[hit.block_ids[-1]].block_hash if hit.block_ids else None
+        )  # the chain continues from the hit
         self.seqs[seq_id] = SeqBlocks(Tier.DEVICE, block_ids, extra_key, len(hit.block_ids), last_hash)
         if self.enable_prefix_caching:
             self.num_prefix_queries += len(token_ids)
@@ -225,12 +245,17 @@ class KVCacheManager:
         pool, bs = self.device, self.block_size
         first_written = num_computed_tokens // bs
         blocks = seq.block_ids
-        if first_written == len(blocks) - 1 and num_computed_tokens + num_new_tokens <= len(blocks) * bs \
-                and pool.blocks[blocks[first_written]].ref_count == 1:
+        if (
+            first_written == len(blocks) - 1
+            and num_computed_tokens + num_new_tokens <= len(blocks) * bs
+            and pool.blocks[blocks[first_written]].ref_count == 1
+        ):
             return Appended([])  # the common decode: room left in an unshared last block
         if num_new_tokens < 0 or not 0 <= num_computed_tokens <= len(blocks) * bs:
-            raise BlockOpError(f"sequence {seq_id!r}: cannot write {num_new_tokens} tokens at {num_computed_tokens} "
-                               f"({len(blocks)} blocks of {bs})")
+            raise BlockOpError(
+                f"sequence {seq_id!r}: cannot write {num_new_tokens} tokens at {num_computed_tokens} "
+                f"({len(blocks)} blocks of {bs})"
+            )
         shared = [i for i in range(first_written, len(seq.block_ids)) if pool.blocks[seq.block_ids[i]].ref_count > 1]
         num_grow = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - len(seq.block_ids))
         num_needed = num_grow + len(shared)
@@ -249,7 +274,9 @@ class KVCacheManager:
         seq.block_ids.extend(result.new_block_ids)
         return result
 
-    def cache_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int, token_offset: int = 0) -> None:
+    def cache_blocks(
+        self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int, token_offset: int = 0
+    ) -> None:
         """Register the chain hashes of blocks that are now full and computed, so later
         requests can hit them (also after this sequence frees them). token_ids may start at
         position token_offset (a tail holding at least the blocks not hashed yet)."""
@@ -263,8 +290,10 @@ class KVCacheManager:
         if end <= first:
             return
         if not 0 <= token_offset <= first * bs or token_offset + len(token_ids) < end * bs:
-            raise BlockOpError(f"sequence {seq_id!r}: tokens from {token_offset} ({len(token_ids)} of them) do not cover "
-                               f"blocks {first} to {end - 1}")
+            raise BlockOpError(
+                f"sequence {seq_id!r}: tokens from {token_offset} ({len(token_ids)} of them) do not cover "
+                f"blocks {first} to {end - 1}"
+            )
         tail = token_ids[first * bs - token_offset : end * bs - token_offset]
         for i, block_hash in enumerate(chain_hashes(tail, bs, 0, end - first, seq.last_hash, seq.extra_key), first):
             tokens = tuple(tail[(i - first) * bs : (i - first + 1) * bs])
@@ -286,7 +315,9 @@ class KVCacheManager:
         pool = self.pools[parent.tier]
         for block_id in parent.block_ids:
             pool.acquire(block_id)
-        self.seqs[child_id] = SeqBlocks(parent.tier, list(parent.block_ids), parent.extra_key, parent.num_hashed_blocks, parent.last_hash)
+        self.seqs[child_id] = SeqBlocks(
+            parent.tier, list(parent.block_ids), parent.extra_key, parent.num_hashed_blocks, parent.last_hash
+        )
 
     def swap_out(self, seq_id: str) -> list[tuple[int, int]] | NoFreeBlocks:
         """Move a sequence's blocks to the host pool; returns (device, host) copies."""

@@ -38,8 +38,13 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
         i = self.service.info()
         resp = pb.GetInfoResponse(
-            step=i.step, num_free_device_blocks=i.num_free_device_blocks, num_free_host_blocks=i.num_free_host_blocks,
-            num_seqs=i.num_seqs, store=i.store, num_prefix_queries=i.num_prefix_queries, num_prefix_hits=i.num_prefix_hits,
+            step=i.step,
+            num_free_device_blocks=i.num_free_device_blocks,
+            num_free_host_blocks=i.num_free_host_blocks,
+            num_seqs=i.num_seqs,
+            store=i.store,
+            num_prefix_queries=i.num_prefix_queries,
+            num_prefix_hits=i.num_prefix_hits,
             all_free_or_cached=i.all_free_or_cached,
         )
         if i.config is not None:
@@ -76,8 +81,11 @@ async def _follow_store(service: KVCacheService, running) -> None:
 async def serve(config: KVCacheSection, ready: asyncio.Event | None = None, token: str | None = None) -> None:
     """Run until SIGTERM/SIGINT. `token`: the internal token callers must present."""
     service = KVCacheService(open_store(config.redis_url, config.deployment))
-    running = await start_server(config.address, [(pb_grpc.add_KVCacheServiceServicer_to_server, KVCacheServicer(service), SERVICE_NAME)],
-                                 auth_token=token)
+    running = await start_server(
+        config.address,
+        [(pb_grpc.add_KVCacheServiceServicer_to_server, KVCacheServicer(service), SERVICE_NAME)],
+        auth_token=token,
+    )
     stop = stop_event()
     while True:  # Redis may come up after us: keep trying, NOT_SERVING meanwhile
         try:

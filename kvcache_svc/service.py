@@ -15,7 +15,6 @@ from contracts.errors import FailedPrecondition, Unavailable
 from kvcache_svc import convert
 from kvcache_svc.manager import KVCacheManager
 from kvcache_svc.ops import (
-    AppendSlotsOp,
     Op,
     OpResult,
     PoolConfig,
@@ -80,8 +79,12 @@ class KVCacheService:
                 self.last_results = [convert.result_from_pb(r) for r in msg.results]
                 self.last_response = msg
         self._stale = False
-        logger.info("KV state loaded: step %d, %s, %d sequences", self.step,
-                    self.config or "no pools", len(self.manager.seqs) if self.manager else 0)
+        logger.info(
+            "KV state loaded: step %d, %s, %d sequences",
+            self.step,
+            self.config or "no pools",
+            len(self.manager.seqs) if self.manager else 0,
+        )
 
     # ----------------------------------------------------------------- steps
     def apply_step(self, step: int, ops: list[Op]) -> list[OpResult]:
@@ -93,24 +96,21 @@ class KVCacheService:
             raise StepOutOfOrder(f"step {step} does not follow the last applied step {self.step}")
         if self.manager is None and not (ops and isinstance(ops[0], ResetOp)):
             raise FailedPrecondition("the KV-cache service has no pools yet: reset first")
-        full_write, dirty_seqs = False, set()
+        full_write, manager = False, self.manager
         try:
-            results = []
+            results: list[OpResult] = []
             for op in ops:
-                if type(op) is AppendSlotsOp:  # one per running sequence per step: dispatched inline
-                    dirty_seqs.add(op.seq_id)
-                    results.append(self.manager.append_slots(op.seq_id, op.num_computed_tokens, op.num_new_tokens))
-                    continue
                 if isinstance(op, ResetOp):
-                    self.config, self.manager, full_write = op.config, new_manager(op.config, tracked=True), True
+                    manager, full_write = new_manager(op.config, tracked=True), True
+                    self.config, self.manager = op.config, manager
                     results.append(None)
-                    continue
-                dirty_seqs.update(seq_ids_of(op))
-                results.append(apply_op(self.manager, op))
+                else:
+                    assert manager is not None, "checked above: a step without pools starts with a reset"
+                    results.append(apply_op(manager, op))
         except Exception as exc:  # noqa: BLE001 - out of step with the scheduler
             self._drop_state(f"step {step} does not apply: {exc!r}")
             raise FailedPrecondition(f"step {step} does not apply to the KV state ({exc!r}); resync") from None
-        response = self._persist(step, results, full_write, dirty_seqs)
+        response = self._persist(step, ops, results, full_write)
         self.step, self.last_results, self.last_response = step, results, response
         return results
 
@@ -121,14 +121,16 @@ class KVCacheService:
             return self.last_response
         return convert.step_response(step, results)
 
-    def _persist(self, step: int, results: list[OpResult], full_write: bool, dirty_seqs: set[str]) -> pb.ApplyStepResponse:
+    def _persist(self, step: int, ops: list[Op], results: list[OpResult], full_write: bool) -> pb.ApplyStepResponse:
         response = convert.step_response(step, results)
         try:
             if not self.store.persistent:  # nothing is written: no serialising or exporting
                 pass
             elif full_write:
                 self.store.write_full(export_state(self.manager, self.config, step), response.SerializeToString())
-            else:
+            else:  # the sequences to rewrite, gathered only for a store that writes them
+                assert self.manager is not None, "a step applied to pools"
+                dirty_seqs = {seq_id for op in ops for seq_id in seq_ids_of(op)}
                 self.store.write_step(self.manager, step, dirty_seqs, response.SerializeToString())
         except Exception as exc:  # redis down or slow: do not answer what is not durable
             self._stale = True
@@ -167,8 +169,17 @@ class KVCacheService:
         m = self.manager
         if m is None:
             return KVInfo(self.config, self.step, 0, 0, 0, self.store.kind, 0, 0, True)
-        return KVInfo(self.config, self.step, m.device.num_free_blocks, m.host.num_free_blocks, len(m.seqs), self.store.kind,
-                      m.num_prefix_queries, m.num_prefix_hits, m.all_free_or_cached())
+        return KVInfo(
+            self.config,
+            self.step,
+            m.device.num_free_blocks,
+            m.host.num_free_blocks,
+            len(m.seqs),
+            self.store.kind,
+            m.num_prefix_queries,
+            m.num_prefix_hits,
+            m.all_free_or_cached(),
+        )
 
     def check_invariants(self) -> str | None:
         """None when the invariant holds, else the first violation."""

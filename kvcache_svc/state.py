@@ -95,7 +95,11 @@ def new_manager(config: PoolConfig, tracked: bool = False) -> KVCacheManager:
 
 # ----------------------------------------------------------------- export
 def export_pool(pool: BlockPool) -> PoolSnapshot:
-    records = [BlockRecord(b.block_id, b.ref_count, b.block_hash, b.token_ids) for b in pool.blocks if b.ref_count > 0 or b.block_hash is not None]
+    records = [
+        BlockRecord(b.block_id, b.ref_count, b.block_hash, b.token_ids)
+        for b in pool.blocks
+        if b.ref_count > 0 or b.block_hash is not None
+    ]
     return PoolSnapshot(pool.num_blocks, records, list(pool.free_ids), list(pool.lru), pool.num_evictions)
 
 
@@ -107,9 +111,13 @@ def export_state(manager: KVCacheManager | None, config: PoolConfig | None, step
     if manager is None or config is None:
         return KVState(None, step)
     return KVState(
-        config, step, export_pool(manager.device), export_pool(manager.host),
+        config,
+        step,
+        export_pool(manager.device),
+        export_pool(manager.host),
         [export_seq(seq_id, seq) for seq_id, seq in manager.seqs.items()],
-        manager.num_prefix_queries, manager.num_prefix_hits,
+        manager.num_prefix_queries,
+        manager.num_prefix_hits,
     )
 
 

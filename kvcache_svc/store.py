@@ -24,7 +24,7 @@ import json
 import logging
 from typing import Any
 
-from kvcache_svc.block_pool import BlockPool, Tier
+from kvcache_svc.block_pool import Tier
 from kvcache_svc.manager import KVCacheManager
 from kvcache_svc.ops import PoolConfig
 from kvcache_svc.state import BlockRecord, KVState, PoolSnapshot, SeqSnapshot, TrackedBlockPool
@@ -94,11 +94,20 @@ class RedisStore:
         if "config" not in meta:
             return KVState(None, step), None
         config = PoolConfig(**json.loads(meta["config"]))
-        pools = {t: self._load_pool(t, n, int(meta.get(f"evictions:{int(t)}", 0)))
-                 for t, n in ((Tier.DEVICE, config.num_device_blocks), (Tier.HOST, config.num_host_blocks))}
+        pools = {
+            t: self._load_pool(t, n, int(meta.get(f"evictions:{int(t)}", 0)))
+            for t, n in ((Tier.DEVICE, config.num_device_blocks), (Tier.HOST, config.num_host_blocks))
+        }
         seqs = [_seq_from_json(k.decode(), v) for k, v in self.redis.hgetall(self._key("seqs")).items()]
-        state = KVState(config, step, pools[Tier.DEVICE], pools[Tier.HOST], seqs,
-                        int(meta.get("num_prefix_queries", 0)), int(meta.get("num_prefix_hits", 0)))
+        state = KVState(
+            config,
+            step,
+            pools[Tier.DEVICE],
+            pools[Tier.HOST],
+            seqs,
+            int(meta.get("num_prefix_queries", 0)),
+            int(meta.get("num_prefix_hits", 0)),
+        )
         return state, self.redis.get(self._key("result"))
 
     def _load_pool(self, tier: Tier, num_blocks: int, num_evictions: int) -> PoolSnapshot:
@@ -116,8 +125,12 @@ class RedisStore:
         """Replace everything (after a reset or a reload that had to start over)."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(*self._keys())
-        meta: dict[str, Any] = {"version": FORMAT_VERSION, "step": state.step,
-                                "num_prefix_queries": state.num_prefix_queries, "num_prefix_hits": state.num_prefix_hits}
+        meta: dict[str, Any] = {
+            "version": FORMAT_VERSION,
+            "step": state.step,
+            "num_prefix_queries": state.num_prefix_queries,
+            "num_prefix_hits": state.num_prefix_hits,
+        }
         if state.config is not None and state.device is not None and state.host is not None:
             meta["config"] = json.dumps(_config_dict(state.config))
             for tier, snap in ((Tier.DEVICE, state.device), (Tier.HOST, state.host)):
@@ -134,7 +147,10 @@ class RedisStore:
     def _write_pool_full(self, pipe: Any, tier: Tier, snap: PoolSnapshot) -> None:
         t = int(tier)
         if snap.blocks:
-            pipe.hset(self._key(f"blocks:{t}"), mapping={b.block_id: _block_json(b.ref_count, b.block_hash, b.token_ids) for b in snap.blocks})
+            pipe.hset(
+                self._key(f"blocks:{t}"),
+                mapping={b.block_id: _block_json(b.ref_count, b.block_hash, b.token_ids) for b in snap.blocks},
+            )
         for name, ids in (("free", snap.free_ids), ("lru", snap.lru_ids)):
             if ids:
                 pipe.zadd(self._key(f"{name}:{t}"), dict(zip(ids, itertools.count(self.order))))
@@ -143,15 +159,22 @@ class RedisStore:
     def write_step(self, manager: KVCacheManager, step: int, dirty_seqs: set[str], result: bytes) -> None:
         """One MULTI/EXEC with the blocks and tables this step touched."""
         pipe = self.redis.pipeline(transaction=True)
-        meta: dict[str, Any] = {"step": step, "num_prefix_queries": manager.num_prefix_queries, "num_prefix_hits": manager.num_prefix_hits}
+        meta: dict[str, Any] = {
+            "step": step,
+            "num_prefix_queries": manager.num_prefix_queries,
+            "num_prefix_hits": manager.num_prefix_hits,
+        }
         for tier, pool in manager.pools.items():
             assert isinstance(pool, TrackedBlockPool), "the service's pools track their changes"
             if pool.dirty:
                 self._write_dirty_blocks(pipe, tier, pool)
                 meta[f"evictions:{int(tier)}"] = pool.num_evictions
         gone = [s for s in dirty_seqs if s not in manager.seqs]
-        live = {s: _seq_to_json(SeqSnapshot(s, q.tier, q.block_ids, q.extra_key, q.num_hashed_blocks, q.last_hash))
-                for s in dirty_seqs if (q := manager.seqs.get(s)) is not None}
+        live = {
+            s: _seq_to_json(SeqSnapshot(s, q.tier, q.block_ids, q.extra_key, q.num_hashed_blocks, q.last_hash))
+            for s in dirty_seqs
+            if (q := manager.seqs.get(s)) is not None
+        }
         if gone:
             pipe.hdel(self._key("seqs"), *gone)
         if live:
@@ -161,18 +184,23 @@ class RedisStore:
         pipe.set(self._key("result"), result)
         pipe.execute()
 
-    def _write_dirty_blocks(self, pipe: Any, tier: Tier, pool: BlockPool) -> None:
+    def _write_dirty_blocks(self, pipe: Any, tier: Tier, pool: TrackedBlockPool) -> None:
         t = int(tier)
         blocks = pool.blocks
-        used = {b: _block_json(blocks[b].ref_count, blocks[b].block_hash, blocks[b].token_ids)
-                for b in pool.dirty if blocks[b].ref_count > 0 or blocks[b].block_hash is not None}
+        used = {
+            b: _block_json(blocks[b].ref_count, blocks[b].block_hash, blocks[b].token_ids)
+            for b in pool.dirty
+            if blocks[b].ref_count > 0 or blocks[b].block_hash is not None
+        }
         free_ids = [b for b in pool.dirty if b not in used]
         num_cached = sum(1 for b in used if blocks[b].ref_count == 0)
         # Every touched block that is free (cached) now was released this step: it sits at
         # the tail of its queue, in release order.
         free_tail = list(itertools.islice(reversed(pool.free_ids), len(free_ids)))[::-1]
         lru_tail = list(itertools.islice(reversed(pool.lru), num_cached))[::-1]
-        assert set(free_tail) == set(free_ids) and len(lru_tail) == num_cached, "a released block is not at its queue's tail"
+        assert set(free_tail) == set(free_ids) and len(lru_tail) == num_cached, (
+            "a released block is not at its queue's tail"
+        )
         dirty = list(pool.dirty)
         pipe.zrem(self._key(f"free:{t}"), *dirty)
         pipe.zrem(self._key(f"lru:{t}"), *dirty)
@@ -199,8 +227,13 @@ def clear_dirty(manager: KVCacheManager) -> None:
 
 
 def _config_dict(c: PoolConfig) -> dict[str, Any]:
-    return {"num_device_blocks": c.num_device_blocks, "num_host_blocks": c.num_host_blocks, "block_size": c.block_size,
-            "enable_prefix_caching": c.enable_prefix_caching, "epoch": c.epoch}
+    return {
+        "num_device_blocks": c.num_device_blocks,
+        "num_host_blocks": c.num_host_blocks,
+        "block_size": c.block_size,
+        "enable_prefix_caching": c.enable_prefix_caching,
+        "epoch": c.epoch,
+    }
 
 
 def _block_json(ref: int, block_hash: int | None, tokens: tuple[int, ...] | None) -> str:

@@ -39,8 +39,47 @@ from protos.picovllm.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc  # no
 
 METADATA = call_metadata(read_secret(API_KEY_ENV, check=False))
 
-WORDS = ("once upon a time there was a little girl named lily she loved to play outside in the park "
-         "one day she saw a big red ball and her friend tom came to play with her they were happy").split()
+WORDS = [
+    "once",
+    "upon",
+    "a",
+    "time",
+    "there",
+    "was",
+    "a",
+    "little",
+    "girl",
+    "named",
+    "lily",
+    "she",
+    "loved",
+    "to",
+    "play",
+    "outside",
+    "in",
+    "the",
+    "park",
+    "one",
+    "day",
+    "she",
+    "saw",
+    "a",
+    "big",
+    "red",
+    "ball",
+    "and",
+    "her",
+    "friend",
+    "tom",
+    "came",
+    "to",
+    "play",
+    "with",
+    "her",
+    "they",
+    "were",
+    "happy",
+]
 SHARED_PREFIX = " ".join(random.Random(0).choices(WORDS, k=300))
 
 
@@ -54,12 +93,22 @@ def _prompt(workload: str, rng: random.Random) -> tuple[str, int]:
 
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser) -> None:
-    parser.add_argument("--workload", choices=["short_chat", "long_prompt", "shared_prefix"],
-                        default=os.environ.get("PICOVLLM_WORKLOAD", "short_chat"), help="request mix")
-    parser.add_argument("--timeout", type=float, default=float(os.environ.get("PICOVLLM_TIMEOUT", "60")), help="per-call deadline (s)")
-    parser.add_argument("--api", choices=["grpc", "http"], default=os.environ.get("PICOVLLM_API", "grpc"),
-                        help="grpc: the scheduler's Generate (--host HOST:PORT); http: the gateway's streamed chat "
-                             "completions (--host http://HOST:PORT)")
+    parser.add_argument(
+        "--workload",
+        choices=["short_chat", "long_prompt", "shared_prefix"],
+        default=os.environ.get("PICOVLLM_WORKLOAD", "short_chat"),
+        help="request mix",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=float(os.environ.get("PICOVLLM_TIMEOUT", "60")), help="per-call deadline (s)"
+    )
+    parser.add_argument(
+        "--api",
+        choices=["grpc", "http"],
+        default=os.environ.get("PICOVLLM_API", "grpc"),
+        help="grpc: the scheduler's Generate (--host HOST:PORT); http: the gateway's streamed chat "
+        "completions (--host http://HOST:PORT)",
+    )
 
 
 @events.init.add_listener
@@ -82,14 +131,17 @@ class GenerateUser(User):
         self.channel.close()
 
     def _fire(self, name: str, ms: float, length: int = 0, exc: BaseException | None = None) -> None:
-        events.request.fire(request_type="grpc", name=name, response_time=ms, response_length=length, exception=exc, context={})
+        events.request.fire(
+            request_type="grpc", name=name, response_time=ms, response_length=length, exception=exc, context={}
+        )
 
     @task
     def generate(self) -> None:
         opts = self.environment.parsed_options
         text, max_tokens = _prompt(opts.workload, self.rng)
         request = scheduler_pb2.GenerateRequest(
-            text=text, sampling=scheduler_pb2.SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True),
+            text=text,
+            sampling=scheduler_pb2.SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True),
         )
         start = time.perf_counter()
         first = last = None
@@ -125,20 +177,35 @@ class ChatUser(FastHttpUser):
             self.model = reply.json()["data"][0]["id"] if reply.status_code == 200 else "unknown"
 
     def _fire(self, name: str, ms: float, length: int = 0, exc: BaseException | None = None) -> None:
-        events.request.fire(request_type="http", name=name, response_time=ms, response_length=length, exception=exc, context={})
+        events.request.fire(
+            request_type="http", name=name, response_time=ms, response_length=length, exception=exc, context={}
+        )
 
     @task
     def chat(self) -> None:
         opts = self.environment.parsed_options
         text, max_tokens = _prompt(opts.workload, self.rng)
-        body = {"model": self.model, "messages": [{"role": "user", "content": text}], "stream": True, "max_tokens": max_tokens,
-                "temperature": 0.8, "top_p": 0.95, "ignore_eos": True}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": text}],
+            "stream": True,
+            "max_tokens": max_tokens,
+            "temperature": 0.8,
+            "top_p": 0.95,
+            "ignore_eos": True,
+        }
         start = time.perf_counter()
         first = last = None
         chunks = 0
         try:
-            reply = self.client.post("/v1/chat/completions", json=body, headers=self.headers, stream=True, name="chat-open",
-                                     timeout=opts.timeout)
+            reply = self.client.post(
+                "/v1/chat/completions",
+                json=body,
+                headers=self.headers,
+                stream=True,
+                name="chat-open",
+                timeout=opts.timeout,
+            )
             if reply.status_code != 200:
                 raise RuntimeError(f"HTTP {reply.status_code}")
             # Server-sent events: one `data: <json>` line per event, a blank line after each.

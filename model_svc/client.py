@@ -18,13 +18,14 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from contracts import phase_times, step_convert
 from contracts.auth import call_metadata, with_token
 from contracts.errors import FailedPrecondition, Unavailable, error_from_rpc
+from contracts.model_info import ModelFacts, ModelInfo, info_from_pb
 from contracts.rpc import CHANNEL_OPTIONS, RETRYABLE, call_with_retry
 from contracts.step import StepInput, StepOutput
 from protos.picovllm.model.v1 import model_pb2 as pb
@@ -39,39 +40,10 @@ class ModelRestarted(Unavailable):
     """The model service lost its KV tensors and sequences (a new epoch)."""
 
 
-@dataclass(frozen=True, slots=True)
-class RemoteModelConfig:
-    """The model facts the scheduler needs (the engine's `model_config`)."""
-
-    family: str
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteModelInfo:
-    epoch: str
-    model: str
-    block_size: int
-    num_device_blocks: int
-    num_host_blocks: int
-    device: str
-    dtype: str
-    config: RemoteModelConfig
-    columnar_step: bool = False  # the service reads the columnar step encoding (plain decode rows as lists)
-
-
-def info_from_pb(m: pb.GetInfoResponse) -> RemoteModelInfo:
-    config = RemoteModelConfig(m.family, m.vocab_size, m.max_position_embeddings, tuple(m.eos_token_ids),
-                               m.bos_token_id if m.HasField("bos_token_id") else None)
-    return RemoteModelInfo(m.epoch, m.model, m.block_size, m.num_device_blocks, m.num_host_blocks, m.device, m.dtype, config,
-                           m.columnar_step)
-
-
 class RemoteModel:
-    def __init__(self, address: str, rpc_timeout_s: float = 30.0, retry_window_s: float = 1.0, token: str | None = None) -> None:
+    def __init__(
+        self, address: str, rpc_timeout_s: float = 30.0, retry_window_s: float = 1.0, token: str | None = None
+    ) -> None:
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
         self.retry_window_s = retry_window_s
@@ -81,14 +53,14 @@ class RemoteModel:
         self.metadata = call_metadata(token)
         self._get_info = with_token(self.stub.GetInfo, token)
         self._step = with_token(self.stub.Step, token)
-        self.info: RemoteModelInfo | None = None
+        self.info: ModelInfo | None = None
         self.num_steps = 0
         self.step_seconds = 0.0
         self._stream: _StepStream | None = None  # the step stream of launch() (opened on first use)
 
     # What LLMEngine reads from a model client.
     @property
-    def config(self) -> RemoteModelConfig:
+    def config(self) -> ModelFacts:
         return self._info.config
 
     @property
@@ -104,19 +76,25 @@ class RemoteModel:
         return self._info.epoch
 
     @property
-    def _info(self) -> RemoteModelInfo:
+    def _info(self) -> ModelInfo:
         assert self.info is not None, "connect() first"
         return self.info
 
-    def fetch_info(self, window_s: float | None = None) -> RemoteModelInfo:
+    def fetch_info(self, window_s: float | None = None) -> ModelInfo:
         """The service's current info (its epoch may be new); ModelUnavailable if it does not
         answer within `window_s` (default: the retry window)."""
         window = self.retry_window_s if window_s is None else window_s
-        resp = call_with_retry(self._get_info, pb.GetInfoRequest(), time.monotonic() + window,
-                               min(self.rpc_timeout_s, max(window, 0.05)), f"model {self.address} GetInfo", ModelUnavailable)
+        resp = call_with_retry(
+            self._get_info,
+            pb.GetInfoRequest(),
+            time.monotonic() + window,
+            min(self.rpc_timeout_s, max(window, 0.05)),
+            f"model {self.address} GetInfo",
+            ModelUnavailable,
+        )
         return info_from_pb(resp)
 
-    def connect(self, timeout_s: float) -> RemoteModelInfo:
+    def connect(self, timeout_s: float) -> ModelInfo:
         """Wait (bounded) for the service to be up with its model loaded; adopt its epoch."""
         self.info = self.fetch_info(timeout_s)
         return self.info
@@ -124,12 +102,14 @@ class RemoteModel:
     def step(self, inp: StepInput, timeout: float | None = None) -> StepOutput:
         info = self._info
         t = phase_times.start()
-        request = step_convert.step_to_pb(inp, info.epoch, info.columnar_step)
+        request = step_convert.step_to_pb(inp, info.epoch)
         phase_times.add("client.encode", t)
         start = time.monotonic()
         t = self.rpc_timeout_s if timeout is None else min(timeout, self.rpc_timeout_s)
         try:
-            resp = call_with_retry(self._step, request, start + self.retry_window_s, t, f"model {self.address} Step", ModelUnavailable)
+            resp = call_with_retry(
+                self._step, request, start + self.retry_window_s, t, f"model {self.address} Step", ModelUnavailable
+            )
         except FailedPrecondition as exc:  # another epoch: the service restarted
             raise ModelRestarted(str(exc)) from None
         finally:
@@ -137,10 +117,10 @@ class RemoteModel:
         self.num_steps += 1
         return _output(resp)
 
-    def launch(self, inp: StepInput, timeout: float | None = None) -> "StreamedStep":
+    def launch(self, inp: StepInput, timeout: float | None = None) -> StreamedStep:
         """Send the step over the service's step stream without waiting (the pipelined
         scheduler keeps the next steps queued there); `.result()` waits for its answer."""
-        request = step_convert.step_to_pb(inp, self._info.epoch, self._info.columnar_step)
+        request = step_convert.step_to_pb(inp, self._info.epoch)
         if self._stream is None or self._stream.broken is not None:
             self._stream = _StepStream(self)
         return StreamedStep(self, self._stream, self._stream.send(request), timeout)
@@ -179,7 +159,7 @@ class _StepStream:
         self._lock = threading.Lock()
         self._pending: deque[Future] = deque()
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._call = None
+        self._call: Any = None  # grpc's stream-stream call (untyped)
         try:  # a service that is down: fail now (the engine retries on its next step)
             grpc.channel_ready_future(model.channel).result(timeout=model.retry_window_s)
         except grpc.FutureTimeoutError:

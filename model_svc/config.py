@@ -92,10 +92,7 @@ class ModelConfig:
         """Build from a transformers PretrainedConfig (4.5x or 5.x) or a config.json dict."""
 
         def get(name: str, default: Any = None) -> Any:
-            if isinstance(hf_config, dict):
-                value = hf_config.get(name, default)
-            else:
-                value = getattr(hf_config, name, default)
+            value = hf_config.get(name, default) if isinstance(hf_config, dict) else getattr(hf_config, name, default)
             return default if value is None else value
 
         family = _check_family(get("model_type"))
@@ -142,8 +139,12 @@ class ModelConfig:
         rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": self.rope_scaling.rope_type}
         if self.rope_scaling.rope_type != "default":
             s = self.rope_scaling
-            rope.update(factor=s.factor, low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                        original_max_position_embeddings=s.original_max_position_embeddings)
+            rope.update(
+                factor=s.factor,
+                low_freq_factor=s.low_freq_factor,
+                high_freq_factor=s.high_freq_factor,
+                original_max_position_embeddings=s.original_max_position_embeddings,
+            )
         dtype = str(self.torch_dtype).removeprefix("torch.")
         eos: Any = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else (self.eos_token_ids or [None])[0]
         out: dict[str, Any] = {
@@ -189,9 +190,7 @@ _DEFAULT_ARCHITECTURES = {
 
 def _check_family(model_type: Any) -> str:
     if model_type not in SUPPORTED_FAMILIES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}"
-        )
+        raise ValueError(f"unsupported model_type {model_type!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}")
     return str(model_type)
 
 

@@ -24,7 +24,8 @@ step of greedy or plain-temperature rows launches nothing between its replays.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ import torch
 from contracts import phase_times
 from contracts.step import PLACEHOLDER
 from model_svc.attention_metadata import CASCADE_MIN_SEQS, AttentionMetadata, shared_prefix_blocks
+from model_svc.models.llama import LlamaForCausalLM
 from model_svc.transfer import PinnedStaging
 
 logger = logging.getLogger(__name__)
@@ -40,9 +42,9 @@ logger = logging.getLogger(__name__)
 # Decode graphs of up to this many rows capture programmatic dependent launch (unless
 # PICOVLLM_PDL says otherwise, kernels.triton_common.use_pdl): a step of one to a few
 # sequences is a chain of latency-bound kernels, where each one's launch overlapping the last
-# one's tail pays when steps are queued back to back (batch-1 decode, overlapped scheduling,
-# 0.936 -> 0.879 ms a token); larger steps it made slower, and so it did steps launched one
-# at a time (scheduler_svc.config.small_batch_pdl).
+# one's tail pays when steps are queued back to back (batch-1 decode, overlapped scheduling);
+# larger steps it made slower, and so it did steps launched one at a time
+# (scheduler_svc.config.small_batch_pdl; bench/NOTES.md, "PDL for small batches").
 PDL_MAX_BATCH = 8
 
 
@@ -71,7 +73,7 @@ class GraphInputs(NamedTuple):
         return -(-(8 * (4 * max_batch + 1) + 4 * (2 * max_batch + 1) + 4 * max_batch) // 8) * 8
 
     @classmethod
-    def views(cls, buf: Any, max_batch: int) -> "GraphInputs":
+    def views(cls, buf: Any, max_batch: int) -> GraphInputs:
         """The fields over `buf` (a uint8 numpy array or torch tensor of nbytes(max_batch))."""
         numpy = isinstance(buf, np.ndarray)
         i64, i32, f32 = (np.int64, np.int32, np.float32) if numpy else (torch.int64, torch.int32, torch.float32)
@@ -81,15 +83,31 @@ class GraphInputs(NamedTuple):
         longs = buf[:end64].view(i64)
         ints = buf[end64:end32].view(i32)
         floats = buf[end32 : end32 + 4 * n].view(f32)
-        return cls(longs[:n], longs[n : 2 * n], longs[2 * n : 3 * n], longs[3 * n : 4 * n], ints[:n], ints[n : n + 1],
-                   ints[n + 1 :], floats, longs[4 * n :])
+        return cls(
+            longs[:n],
+            longs[n : 2 * n],
+            longs[2 * n : 3 * n],
+            longs[3 * n : 4 * n],
+            ints[:n],
+            ints[n : n + 1],
+            ints[n + 1 :],
+            floats,
+            longs[4 * n :],
+        )
 
     def pad(self, batch: int, bucket: int, spare_row: int = 0) -> None:
         """Rows batch..bucket as padding: token 0 at position 0, writing nowhere, one token of
         context, block-table row `spare_row` (where the sampling graph leaves their draws),
         greedy."""
-        padding = ((self.input_ids, 0), (self.positions, 0), (self.slot_mapping, -1), (self.rows, spare_row),
-                   (self.seq_lens, 1), (self.greedy, 1), (self.temperature, 1.0))
+        padding = (
+            (self.input_ids, 0),
+            (self.positions, 0),
+            (self.slot_mapping, -1),
+            (self.rows, spare_row),
+            (self.seq_lens, 1),
+            (self.greedy, 1),
+            (self.temperature, 1.0),
+        )
         for field, value in padding:
             field[batch:bucket] = value
 
@@ -107,9 +125,19 @@ class DecodeGraphs:
     can sample (greedy or plain temperature) is then two replays, with no launch in between
     for the LM head, the sampler or the record of the draws."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list, max_batch: int, max_blocks_per_seq: int, device: torch.device,
-                 max_prefix_blocks: int = 0, last_token_rows: int = 4096, capture: bool = True,
-                 sample: Callable[..., Any] | None = None, pdl_max_batch: int = PDL_MAX_BATCH) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        max_prefix_blocks: int = 0,
+        last_token_rows: int = 4096,
+        capture: bool = True,
+        sample: Callable[..., Any] | None = None,
+        pdl_max_batch: int = PDL_MAX_BATCH,
+    ) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_batch, self.max_blocks = max_batch, max_blocks_per_seq
         self.max_prefix_blocks = max_prefix_blocks  # cascade graphs: the shared prefix's bound (0: none)
@@ -124,7 +152,9 @@ class DecodeGraphs:
         self.host.pad(0, max_batch, self.spare_row)
         self.buffer = torch.from_numpy(self.host_buffer).to(device, copy=True)
         self.inputs = GraphInputs.views(self.buffer, max_batch)
-        self.input_ids, self.positions, self.slot_mapping, self.rows, self.seq_lens, self.prefix_blocks = self.inputs[:6]
+        self.input_ids, self.positions, self.slot_mapping, self.rows, self.seq_lens, self.prefix_blocks = self.inputs[
+            :6
+        ]
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         # Keyed by (batch bucket, cascade).
@@ -140,9 +170,13 @@ class DecodeGraphs:
 
     def _meta(self, batch: int, cascade: bool) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch], block_tables=self.block_tables[:batch], seq_lens=self.seq_lens[:batch],
-            cu_seqlens_q=self.cu_seqlens_q[: batch + 1], is_decode=True,
-            prefix_blocks=self.prefix_blocks if cascade else None, max_prefix_blocks=self.max_prefix_blocks if cascade else 0,
+            slot_mapping=self.slot_mapping[:batch],
+            block_tables=self.block_tables[:batch],
+            seq_lens=self.seq_lens[:batch],
+            cu_seqlens_q=self.cu_seqlens_q[: batch + 1],
+            is_decode=True,
+            prefix_blocks=self.prefix_blocks if cascade else None,
+            max_prefix_blocks=self.max_prefix_blocks if cascade else 0,
         )
 
     @torch.inference_mode()
@@ -163,8 +197,13 @@ class DecodeGraphs:
                     logger.warning("sampling in the decode graphs failed; the runner samples after them", exc_info=True)
                     self.sample, self.sample_graphs = None, {}
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch sizes up to %d; cascade from %d sequences; sampling %s)",
-                    len(self.graphs), self.max_batch, CASCADE_MIN_SEQS, "captured" if self.sample_graphs else "not captured")
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes up to %d; cascade from %d sequences; sampling %s)",
+            len(self.graphs),
+            self.max_batch,
+            CASCADE_MIN_SEQS,
+            "captured" if self.sample_graphs else "not captured",
+        )
 
     def _capture_one(self, run: Callable[[int, bool], torch.Tensor], key: tuple[int, bool], pool):
         """(graph, its output, the pool) of run(*key), warmed up first (kernels compile,
@@ -184,6 +223,7 @@ class DecodeGraphs:
     def _sample(self, batch: int, cascade: bool) -> torch.Tensor:
         """The LM head on graph (batch, cascade)'s hidden states, the draws into `sampled`, and
         each draw recorded at its sequence's row (padding rows: the spare row)."""
+        assert self.sample is not None, "sampling graphs are captured only with a sampler"
         logits = self.model.compute_logits(self.outputs[(batch, cascade)])
         tokens = self.sampled[:batch]
         self.sample(logits, self.inputs.temperature[:batch], self.inputs.greedy[:batch], self.inputs.seed, out=tokens)
@@ -196,8 +236,16 @@ class DecodeGraphs:
     def has_cascade(self, batch: int, prefix_blocks: int) -> bool:
         return (self.bucket(batch), True) in self.graphs and prefix_blocks <= self.max_prefix_blocks
 
-    def replay_decode(self, token_ids: list[int], positions: list[int], rows: list[int], tables: np.ndarray,
-                      block_size: int, staging: PinnedStaging, sampling: tuple[list[float], list[bool], int] | None = None) -> DecodeReplay:
+    def replay_decode(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        rows: list[int],
+        tables: np.ndarray,
+        block_size: int,
+        staging: PinnedStaging,
+        sampling: tuple[list[float], list[bool], int] | None = None,
+    ) -> DecodeReplay:
         """One decode step: its values written into the host image (PLACEHOLDER tokens stay
         so: the graph reads them from last_token), the padding rows of its bucket reset, then
         one staged copy of the image and one of the block tables (rows, as wide as the
@@ -217,7 +265,7 @@ class DecodeGraphs:
         cascade = prefix > 0 and self.has_cascade(n, prefix)
         h.prefix_blocks[0] = prefix if cascade else 0
         sample = sampling is not None and bool(self.sample_graphs)
-        if sample:
+        if sampling is not None and sample:
             h.temperature[:n], h.greedy[:n], h.seed[0] = sampling
         staging.copy_into(self.host_buffer, self.buffer)
         staging.copy_into(tables, self.block_tables[:n, : tables.shape[1]])
@@ -241,11 +289,13 @@ class DecodeGraphs:
     def can_run(self, batch: int, meta: AttentionMetadata) -> bool:
         if batch > self.max_batch or meta.block_tables.shape[1] > self.max_blocks:
             return False
-        return meta.prefix_blocks is None or (batch >= CASCADE_MIN_SEQS and meta.max_prefix_blocks <= self.max_prefix_blocks)
+        return meta.prefix_blocks is None or (
+            batch >= CASCADE_MIN_SEQS and meta.max_prefix_blocks <= self.max_prefix_blocks
+        )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Copy a prepared batch's device inputs into the buffers, then replay (multi-step
-        decode, and batches the runner did not write into `host`)."""
+        """Copy a prepared batch's device inputs into the buffers, then replay (batches the
+        runner did not write into `host`)."""
         batch = input_ids.shape[0]
         bucket = self.bucket(batch)
         width = meta.block_tables.shape[1]

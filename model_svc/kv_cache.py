@@ -22,7 +22,9 @@ from model_svc.transfer import to_device
 SWAP_CHUNK_BLOCKS = 256
 
 
-def host_pool_blocks(num_cpu_blocks: int | None, swap_space_gib: float, num_device_blocks: int, block_bytes: int) -> int:
+def host_pool_blocks(
+    num_cpu_blocks: int | None, swap_space_gib: float, num_device_blocks: int, block_bytes: int
+) -> int:
     """The host (swap) pool in blocks: `num_cpu_blocks` when given, else the swap space in
     blocks, at most 4x the device pool. ModelRunner calls it (through functools.partial) once
     the device pool and the block's size are known."""
@@ -49,14 +51,26 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 class KVCachePools:
-    def __init__(self, config, block_size: int, num_device_blocks: int, num_host_blocks: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config,
+        block_size: int,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         block = (block_size, config.num_key_value_heads, config.head_dim)
         self.num_layers = config.num_hidden_layers
         self.device_cache = torch.empty((self.num_layers, 2, num_device_blocks, *block), dtype=dtype, device=device)
         pin = device.type == "cuda"
-        self.host_cache = torch.empty((num_host_blocks, self.num_layers, 2, *block), dtype=dtype, device="cpu", pin_memory=pin)
+        self.host_cache = torch.empty(
+            (num_host_blocks, self.num_layers, 2, *block), dtype=dtype, device="cpu", pin_memory=pin
+        )
         # (k_cache, v_cache) views per layer: (num_blocks, block_size, Hkv, D)
-        self.layer_caches = [(self.device_cache[i, 0], self.device_cache[i, 1]) for i in range(config.num_hidden_layers)]
+        self.layer_caches = [
+            (self.device_cache[i, 0], self.device_cache[i, 1]) for i in range(config.num_hidden_layers)
+        ]
 
     @staticmethod
     def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
@@ -122,7 +136,9 @@ class HostBlockTables:
 
     def write(self, row: int, start: int, block_ids: list[int]) -> None:
         if start + len(block_ids) > self.table.shape[1]:
-            raise ValueError(f"block table of {start + len(block_ids)} blocks exceeds the limit of {self.table.shape[1]}")
+            raise ValueError(
+                f"block table of {start + len(block_ids)} blocks exceeds the limit of {self.table.shape[1]}"
+            )
         self.table[row, start : start + len(block_ids)] = block_ids
 
     def rows(self, rows: list[int], width: int) -> np.ndarray:

@@ -19,8 +19,14 @@ class LaunchedStep:
     """A step whose device work is queued: the sampled ids are copied to pinned host memory
     behind an event, so waiting for them does not stall the work queued after it."""
 
-    def __init__(self, states: dict[str, Any], state_lock: threading.Lock, seqs: list[SeqStep], token_ids: torch.Tensor | None,
-                 sampler_out=None) -> None:
+    def __init__(
+        self,
+        states: dict[str, Any],
+        state_lock: threading.Lock,
+        seqs: list[SeqStep],
+        token_ids: torch.Tensor | None,
+        sampler_out=None,
+    ) -> None:
         self.states, self.state_lock, self.seqs, self.sampler_out = states, state_lock, seqs, sampler_out
         self._host = None
         self._event = None
@@ -43,15 +49,15 @@ class LaunchedStep:
             return StepOutput()
         if self._event is not None:
             self._event.synchronize()
-        tokens = self._host.tolist()  # (B, num_steps)
+        tokens = self._host.tolist()  # (B,)
         states = self.states
-        out = StepOutput([SampledToken(s.seq_id, toks[0], extra_token_ids=toks[1:]) for s, toks in zip(self.seqs, tokens)])
+        out = StepOutput([SampledToken(s.seq_id, tok) for s, tok in zip(self.seqs, tokens)])
         with self.state_lock:  # the model service may be launching the next step meanwhile
-            for s, toks in zip(self.seqs, tokens):
+            for s, tok in zip(self.seqs, tokens):
                 state = states.get(s.seq_id)
-                if state is not None:  # history for penalties: the tokens sampled here, by position
+                if state is not None:  # history for penalties: the token sampled here, by position
                     end = s.start_pos + len(s.token_ids)
-                    state.token_ids[end:] = toks
+                    state.token_ids[end:] = [tok]
         result = self.sampler_out
         if result is not None and result.logprobs is not None:
             logprobs = result.logprobs.tolist()

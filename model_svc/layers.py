@@ -15,6 +15,7 @@ import importlib
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,6 @@ from kernels.ops import KernelOps
 from kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from model_svc.attention_metadata import AttentionMetadata
 from model_svc.config import RopeScaling
-
 
 # The torch path of these layers is the kernels' reference math, not a copy of it.
 apply_rotary = rotary_ref
@@ -104,6 +104,8 @@ class RotaryEmbedding(nn.Module):
     """cos/sin cache for positions [0, max_positions), computed in fp32 once and stored in the
     model dtype (as HF casts cos/sin to the activations' dtype)."""
 
+    cos_sin_cache: torch.Tensor  # (P, D): [cos | sin], a buffer (declared: nn.Module types buffers as Module)
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling = RopeScaling()) -> None:
         super().__init__()
         assert head_dim % 2 == 0, f"rotary head_dim must be even, got {head_dim}"
@@ -137,7 +139,9 @@ class SiluAndMul(nn.Module):
         return silu_and_mul_ref(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_ops: ModuleType | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_ops: ModuleType | None
+) -> torch.Tensor:
     """F.linear, or a Triton kernel for decode batches: gemv for a few 16-bit rows, split-K
     for tens of rows into a narrower output (o_proj, down_proj)."""
     if gemv_ops is not None:
@@ -163,7 +167,9 @@ class MergedLinear(Linear):
     """Several projections of the same input as one Linear (e.g. q|k|v, gate|up). The loader
     fills each checkpoint tensor into its row slice with load_shard."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, ops: KernelOps | None = None) -> None:
+    def __init__(
+        self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, ops: KernelOps | None = None
+    ) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias, ops=ops)
         self.shard_slices: dict[str, slice] = {}
         start = 0
@@ -203,7 +209,7 @@ class Attention(nn.Module):
         self.ops = ops
 
     @staticmethod
-    def has_cache(kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    def has_cache(kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> TypeGuard[tuple[torch.Tensor, torch.Tensor]]:
         """A real cache, not None or the empty tensors of the profiling forward."""
         return kv_cache is not None and not (_is_empty(kv_cache[0]) or _is_empty(kv_cache[1]))
 
@@ -217,15 +223,23 @@ class Attention(nn.Module):
         stored: bool = False,  # K/V of this step are already in the cache
     ) -> torch.Tensor:  # (N, Hq, D)
         if not self.has_cache(kv_cache):
-            assert not stored, "K/V cannot have been stored without a cache"
+            assert not stored and k is not None and v is not None, "without a cache K/V come with the step"
             return self._causal_no_cache(q, k, v, attn.cu_seqlens_q)
         k_cache, v_cache = kv_cache
         if not stored:
             self.ops.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
         if attn.is_decode:
             if attn.prefix_blocks is not None:
-                return self.ops.cascade_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale,
-                                                         attn.prefix_blocks, attn.max_prefix_blocks)
+                return self.ops.cascade_decode_attention(
+                    q,
+                    k_cache,
+                    v_cache,
+                    attn.block_tables,
+                    attn.seq_lens,
+                    self.scale,
+                    attn.prefix_blocks,
+                    attn.max_prefix_blocks,
+                )
             return self.ops.paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
         return self.ops.paged_prefill_attention(
             q, k_cache, v_cache, attn.block_tables, attn.cu_seqlens_q, attn.seq_lens, self.scale, attn.max_query_len

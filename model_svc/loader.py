@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -23,6 +23,7 @@ from kernels.ops import KernelOps
 from model_svc.config import ModelConfig
 from model_svc.layers import MergedLinear, RMSNorm
 from model_svc.models import build_model
+from model_svc.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,14 @@ BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "bundled" / "stories260k"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -> torch.dtype:
@@ -71,7 +78,7 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     ops: KernelOps | None = None,
-) -> tuple[nn.Module, ModelConfig]:
+) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for the directory's config and stream its safetensors weights in."""
     config = ModelConfig.from_pretrained(path)  # raises FileNotFoundError / ValueError
     files = safetensors_files(path)
@@ -95,13 +102,13 @@ def iter_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]
     """(name, tensor) one at a time, so at most one checkpoint tensor is in host memory."""
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable; keys() is its API
                 yield name, f.get_tensor(name)
 
 
 def _expected_keys(model: nn.Module) -> set[str]:
     """Every parameter, and every shard of a merged parameter, the checkpoint must provide."""
-    keys = set()
+    keys: set[str] = set()
     for module_name, module in model.named_modules():
         for param_name, _ in module.named_parameters(recurse=False):
             full = f"{module_name}.{param_name}" if module_name else param_name
@@ -113,7 +120,7 @@ def _expected_keys(model: nn.Module) -> set[str]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into the model (casting to its dtype and device). Raises
     ValueError for an unexpected name, a wrong shape, or a parameter left unloaded."""
     params = dict(model.named_parameters())
@@ -154,7 +161,7 @@ def build_random_model(
     seed: int = 0,
     ops: KernelOps | None = None,
     std: float = 0.02,
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """Random weights: normal(0, std) everywhere, norm weights 1 + normal(0, std). The same
     seed gives the same weights on the same device type."""
     model = build_model(config, ops or select_ops(device), dtype, device)
@@ -169,7 +176,7 @@ def build_random_model(
 
 
 @torch.no_grad()
-def save_model(model: nn.Module, path: str | Path) -> Path:
+def save_model(model: LlamaForCausalLM, path: str | Path) -> Path:
     """Write config.json and model.safetensors in HF layout (merged projections split back),
     so load_model (or transformers) can read the directory. Tokenizer files are not written."""
     path = Path(path)

@@ -29,6 +29,7 @@ import logging
 import torch
 
 from model_svc.attention_metadata import AttentionMetadata
+from model_svc.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -36,21 +37,19 @@ logger = logging.getLogger(__name__)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
-def supports_piecewise(model: torch.nn.Module) -> bool:
-    """A Llama-style model on the fused Triton ops (its layers can be split at the attention)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    return bool(layers) and all(
-        hasattr(layer, "before_attention") and layer.self_attn.fused_qk_norm_rope_store is not None for layer in layers
-    )
+def supports_piecewise(model: LlamaForCausalLM) -> bool:
+    """A model on the fused Triton ops (its layers can be split at the attention)."""
+    layers = model.model.decoder_layers()
+    return bool(layers) and all(layer.self_attn.fused_qk_norm_rope_store is not None for layer in layers)
 
 
 class PrefillGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, max_tokens: int, device: torch.device,
-                 capture: bool = True) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches: list, max_tokens: int, device: torch.device, capture: bool = True
+    ) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.inner = model.model
-        self.layers = list(self.inner.layers)
+        self.layers = self.inner.decoder_layers()
         self.buckets = [b for b in PREFILL_BUCKETS if b <= max_tokens]
         cfg = model.config
         size = self.buckets[-1] if self.buckets else 0
@@ -76,13 +75,15 @@ class PrefillGraphs:
         if i == 0:
             x, residual = self.inner.embed_tokens(self.input_ids[:n]), None
         else:
+            assert self._residual is not None, "piece i - 1 left the residual stream"
             x, residual = self.layers[i - 1].after_attention(self.attn_out[:n], self._residual)
         if i == len(self.layers):
             self._residual = None
             return self.inner.norm(x, residual)[0]
         rope = self.inner.rotary_emb.inputs(self.positions[:n], gather=False)
         _, self._residual = self.layers[i].before_attention(
-            x, residual, rope, self.kv_caches[i], self.slot_mapping[:n], q_out=self.q[:n])
+            x, residual, rope, self.kv_caches[i], self.slot_mapping[:n], q_out=self.q[:n]
+        )
         return None
 
     def _attention(self, i: int, n: int, meta: AttentionMetadata) -> None:
@@ -92,8 +93,17 @@ class PrefillGraphs:
 
         attn = self.layers[i].self_attn.attn
         k_cache, v_cache = self.kv_caches[i]
-        prefill_with_config(self.q[:n], k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, attn.scale,
-                            out=self.attn_out[:n], max_query_len=meta.max_query_len)
+        prefill_with_config(
+            self.q[:n],
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            attn.scale,
+            out=self.attn_out[:n],
+            max_query_len=meta.max_query_len,
+        )
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -109,15 +119,21 @@ class PrefillGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     out = self._piece(i, n)
                 graphs.append(graph)
+            assert out is not None, "the last piece returns the hidden states"
             self.graphs[n], self.hidden[n] = graphs, out
         torch.cuda.synchronize(self.device)
-        logger.info("captured prefill graphs for %d token buckets up to %d (%d pieces each)", len(self.buckets),
-                    self.buckets[-1], len(self.layers) + 1)
+        logger.info(
+            "captured prefill graphs for %d token buckets up to %d (%d pieces each)",
+            len(self.buckets),
+            self.buckets[-1],
+            len(self.layers) + 1,
+        )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's hidden states (n, hidden) for a non-decode step of n <= max bucket tokens."""
         n = input_ids.shape[0]
         bucket = self.bucket(n)
+        assert bucket is not None, "called for steps that fit a bucket (ModelRunner._forward)"
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
@@ -139,4 +155,6 @@ class PrefillGraphs:
         for i in range(len(self.layers)):
             self._piece(i, n)
             self._attention(i, n, meta)
-        return self._piece(len(self.layers), n)
+        hidden = self._piece(len(self.layers), n)
+        assert hidden is not None, "the last piece returns the hidden states"
+        return hidden

@@ -9,8 +9,9 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,28 +25,16 @@ from model_svc.attention_metadata import CASCADE_MAX_TOKENS, AttentionMetadata, 
 from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.launched_step import LaunchedStep
 from model_svc.loader import cpu_threads, load_model, resolve_dtype
+from model_svc.models.llama import LlamaForCausalLM
 from model_svc.prefill_graphs import PrefillGraphs, supports_piecewise
 from model_svc.sampler import Sampler, SamplingBatch, make_generator, plain_row, row_problem
 from model_svc.transfer import PinnedStaging, to_device
+from model_svc.warmup import compile_kernels, profile_num_blocks
 
 if TYPE_CHECKING:
-    from model_svc.cuda_graphs import DecodeReplay
+    from model_svc.cuda_graphs import DecodeGraphs, DecodeReplay
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _ProfileSampling:
-    """Sampling knobs for the profiling forward: every truncation on (the costliest path)."""
-
-    temperature: float = 1.0
-    top_k: int = 50
-    top_p: float = 0.9
-    min_p: float = 0.05
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int | None = None
 
 
 @dataclass(slots=True)
@@ -74,14 +63,17 @@ class ModelRunner:
         device_memory_fraction: float = 0.9,
         cpu_kv_cache_bytes: int = 256 << 20,
         max_num_batched_tokens: int = 8192,
-        model: torch.nn.Module | None = None,
+        model: LlamaForCausalLM | None = None,
         enforce_eager: bool = False,
         max_num_seqs: int = 256,
         pinned_inputs: bool = True,
-        small_batch_pdl: bool = True,  # the small-batch decode graphs capture PDL (scheduler_svc.config.small_batch_pdl)
+        # The small-batch decode graphs capture PDL (scheduler_svc.config.small_batch_pdl).
+        small_batch_pdl: bool = True,
         torch_threads: int | None = None,  # CPU only; None: loader.cpu_threads picks by model size
     ) -> None:
-        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = (
+            torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
         self.dtype = resolve_dtype(dtype, self.device)
         self.ops = select_ops(self.device, kernel_backend)
         if model is None:
@@ -92,23 +84,26 @@ class ModelRunner:
             torch.set_num_threads(cpu_threads(model, torch_threads))
         self.block_size = block_size
         self.enforce_eager = enforce_eager
-        fused_sample = None
-        if self.ops.name == "triton":
-            from kernels.triton_sample import gumbel_sample as fused_sample
+        fused_sample = _fused_sample(self.ops.name)
         self.sampler = Sampler(fused_sample)  # before profiling: the profile runs it
+        block_bytes = KVCachePools.bytes_per_block(self.config, block_size, self.dtype)
         if num_device_blocks is None:
-            num_device_blocks = self._profile_num_blocks(device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens, max_num_seqs)
+            budget = (device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens, max_num_seqs)
+            num_device_blocks = profile_num_blocks(
+                self.model, self.sampler, self.device, block_size, block_bytes, *budget
+            )
         if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
-            num_host_blocks = num_host_blocks(num_device_blocks, KVCachePools.bytes_per_block(self.config, block_size, self.dtype))
+            num_host_blocks = num_host_blocks(num_device_blocks, block_bytes)
         self.pools = KVCachePools(self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype)
         max_len = min(self.config.max_position_embeddings, num_device_blocks * block_size)
         self.block_tables = HostBlockTables(-(-max_len // block_size))
-        self.graphs = None
+        self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # prefill and mixed steps of up to 2,048 tokens
         # Each sequence's latest sampled token on the device, by block-table row: placeholders
         # read it, so any number of launched steps may be ahead of what the host has read back.
-        self._last_token: torch.Tensor | None = None  # the decode graphs' own buffer while it is large enough
-        self._rows: torch.Tensor | None = None  # the prepared step's rows, in batch order (device)
+        # The decode graphs' own buffer while it is large enough (_fit_last_token).
+        self._last_token = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._rows = torch.zeros(0, dtype=torch.int64, device=self.device)  # the prepared step's rows, in batch order
         self._batch_cache: tuple[list, list, SamplingBatch] | None = None  # see _sampling_batch
         # The model service reads a step back on one thread while it launches the next on
         # another; both touch the sequences' token histories.
@@ -118,20 +113,47 @@ class ModelRunner:
         self.pinned_inputs = pinned_inputs and self.device.type == "cuda"
         self._staging = PinnedStaging(self.device) if self.pinned_inputs else None
         if self.device.type == "cuda" and not enforce_eager:
-            from model_svc.cuda_graphs import PDL_MAX_BATCH, DecodeGraphs
-
-            width = self.block_tables.table.shape[1]  # blocks of the longest possible sequence
-            self.graphs = DecodeGraphs(self.model, self.pools.layer_caches, min(max_num_seqs, 512), width, self.device,
-                                       max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // block_size), sample=fused_sample,
-                                       pdl_max_batch=PDL_MAX_BATCH if small_batch_pdl else 0)
-            self._last_token = self.graphs.last_token
-            if supports_piecewise(self.model):
-                self.prefill_graphs = PrefillGraphs(self.model, self.pools.layer_caches, max_num_batched_tokens, self.device)
+            self._capture_graphs(max_num_seqs, max_num_batched_tokens, fused_sample, small_batch_pdl)
         if self.device.type == "cuda":
-            self._compile_kernels()
+            compile_kernels(self.model, self.sampler, self.device, self.pools.layer_caches, block_size)
         self.seqs: dict[str, _SeqState] = {}
-        logger.info("model runner: %s on %s (%s), kernels=%s, %d device blocks, %d host blocks",
-                    self.config.architecture, self.device, self.dtype, self.ops.name, num_device_blocks, num_host_blocks)
+        logger.info(
+            "model runner: %s on %s (%s), kernels=%s, %d device blocks, %d host blocks",
+            self.config.architecture,
+            self.device,
+            self.dtype,
+            self.ops.name,
+            num_device_blocks,
+            num_host_blocks,
+        )
+
+    def _capture_graphs(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        fused_sample: Callable[..., torch.Tensor] | None,
+        pdl: bool,
+    ) -> None:
+        """The decode graphs (their sampling graphs with the one-pass kernel) and, where the
+        layers split at the attention, the prefill graphs."""
+        from model_svc.cuda_graphs import PDL_MAX_BATCH, DecodeGraphs
+
+        width = self.block_tables.table.shape[1]  # blocks of the longest possible sequence
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.pools.layer_caches,
+            min(max_num_seqs, 512),
+            width,
+            self.device,
+            max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // self.block_size),
+            sample=fused_sample,
+            pdl_max_batch=PDL_MAX_BATCH if pdl else 0,
+        )
+        self._last_token = self.graphs.last_token
+        if supports_piecewise(self.model):
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.pools.layer_caches, max_num_batched_tokens, self.device
+            )
 
     @property
     def num_device_blocks(self) -> int:
@@ -140,65 +162,6 @@ class ModelRunner:
     @property
     def num_host_blocks(self) -> int:
         return self.pools.num_host_blocks
-
-    # ----------------------------------------------------------------- sizing
-    def _profile_num_blocks(self, fraction: float, cpu_bytes: int, max_tokens: int, max_seqs: int = 256) -> int:
-        block_bytes = KVCachePools.bytes_per_block(self.config, self.block_size, self.dtype)
-        if self.device.type != "cuda":
-            return max(16, cpu_bytes // block_bytes)
-        # One forward at the largest batch without a cache measures the activation peak.
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(max_tokens, self.config.max_position_embeddings)
-        ids, positions, meta = self._dummy_prefill([n])
-        with torch.inference_mode():
-            hidden = self.model(ids, positions, [(None, None)] * self.config.num_hidden_layers, meta)
-            # The sampler at the largest batch with every truncation on (its sorts are the
-            # largest temporaries): counted in the peak, and its blocks stay in the allocator.
-            rows = min(n, max_seqs)
-            knobs = _ProfileSampling()
-            self.sampler(self.model.compute_logits(hidden[-rows:]), SamplingBatch.build([knobs] * rows, None, None, None, self.device))
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        in_use = torch.cuda.memory_allocated(self.device)
-        budget = int(total * fraction) - (total - free) - (peak - in_use)
-        num = budget // block_bytes
-        if num < 16:
-            raise RuntimeError(f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after the weights")
-        return int(num)
-
-    def _dummy_prefill(self, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids, positions, metadata) of a prefill of token-0 prompts of these lengths
-        that writes nothing (slots -1) and whose every sequence reads block 0."""
-        dev, n = self.device, sum(lens)
-        positions = torch.cat([torch.arange(k, device=dev) for k in lens])
-        cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
-            block_tables=torch.zeros((len(lens), -(-max(lens) // self.block_size)), dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=cu,
-            is_decode=False,
-            max_query_len=max(lens),
-        )
-        return torch.zeros(n, dtype=torch.long, device=dev), positions, meta
-
-    @torch.inference_mode()
-    def _compile_kernels(self) -> None:
-        """Run once what the decode graphs do not: paged prefills with a long and with short
-        new-token runs (the prefill kernel's two tilings; nothing written: slots -1; they read
-        block 0, whatever it holds) and temperature sampling, so that their Triton kernels
-        compile at start-up, not in the middle of the first requests (a second or two each on
-        a fresh machine)."""
-        for lens in ([80], [16, 16]):  # the prefill kernel's tiles for long and for short new-token runs
-            ids, positions, meta = self._dummy_prefill(lens)
-            hidden = self.model(ids, positions, self.pools.layer_caches, meta)
-        dev = self.device
-        plain = _ProfileSampling(top_k=0, top_p=1.0, min_p=0.0)  # temperature only: the fused kernel
-        params = [plain, _ProfileSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)]
-        self.sampler(self.model.compute_logits(hidden[:2]), SamplingBatch.build(params, None, None, None, dev))
-        torch.cuda.synchronize(dev)
 
     # ----------------------------------------------------------------- the step
     def step(self, inp: StepInput) -> StepOutput:
@@ -230,17 +193,15 @@ class ModelRunner:
         states = [self.seqs[s.seq_id] for s in seqs]
         rows = [st.row for st in states]
         tables = self.block_tables.rows(rows, max(st.num_blocks for st in states))  # the step's block tables
-        replay = self._graph_decode(seqs, states, rows, tables) if inp.num_steps == 1 else None
+        replay = self._graph_decode(seqs, states, rows, tables)
         if replay is not None:
             phase_times.add("runner.graph_decode", t)
             if replay.token_ids is not None:  # sampled and recorded in the graphs
-                return LaunchedStep(self.seqs, self._state_lock, seqs, replay.token_ids[:, None])
+                return LaunchedStep(self.seqs, self._state_lock, seqs, replay.token_ids)
             hidden = replay.hidden
         else:
             input_ids, positions, meta, sample_rows = self._prepare(seqs, rows, tables)
             phase_times.add("runner.prepare", t)
-            if inp.num_steps > 1:
-                return self._multi_step(inp.num_steps, seqs, input_ids, positions, meta)
             t = phase_times.start()
             hidden = self._forward(input_ids, positions, meta)
             phase_times.add("runner.forward", t)
@@ -253,15 +214,21 @@ class ModelRunner:
         t = phase_times.start()
         logits = self.model.compute_logits(hidden)
         result = self.sampler(logits, self._sampling_batch(states), seqs)  # a row that fails alone: SequenceFailed
-        table_rows = self._rows if len(seqs) == len(inp.seqs) else self._h2d(np.asarray([st.row for st in states], dtype=np.int64))
+        table_rows = (
+            self._rows
+            if len(seqs) == len(inp.seqs)
+            else self._h2d(np.asarray([st.row for st in states], dtype=np.int64))
+        )
         self._remember_sampled(table_rows, result.token_ids)
         phase_times.add("runner.sample", t)
         t = phase_times.start()
-        launched = LaunchedStep(self.seqs, self._state_lock, seqs, result.token_ids[:, None], result)
+        launched = LaunchedStep(self.seqs, self._state_lock, seqs, result.token_ids, result)
         phase_times.add("runner.readback_queued", t)
         return launched
 
-    def _graph_decode(self, seqs: list[SeqStep], states: list[_SeqState], rows: list[int], tables: np.ndarray) -> DecodeReplay | None:
+    def _graph_decode(
+        self, seqs: list[SeqStep], states: list[_SeqState], rows: list[int], tables: np.ndarray
+    ) -> DecodeReplay | None:
         """A decode batch that samples every sequence, replayed from the decode graphs with its
         inputs written straight into their buffers (DecodeGraphs.replay_decode); sampled in
         the graphs too when the one-pass kernel takes every row. None when the batch is not
@@ -275,23 +242,37 @@ class ModelRunner:
             return None
         self._rows = g.rows[:n]
         sampling = None
-        if g.sample_graphs and all(st.plain is not None for st in states):
-            sampling = ([st.plain[0] for st in states], [st.plain[1] for st in states], self.sampler.next_seed())
-        return g.replay_decode([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs], rows, tables,
-                               self.block_size, self._staging, sampling)
+        plain = [st.plain for st in states if st.plain is not None]
+        if g.sample_graphs and len(plain) == len(states):
+            sampling = ([p[0] for p in plain], [p[1] for p in plain], self.sampler.next_seed())
+        return g.replay_decode(
+            [s.token_ids[0] for s in seqs],
+            [s.start_pos for s in seqs],
+            rows,
+            tables,
+            self.block_size,
+            self._staging,
+            sampling,
+        )
 
-    def _sampling_batch(self, states: list["_SeqState"]) -> SamplingBatch:
+    def _sampling_batch(self, states: list[_SeqState]) -> SamplingBatch:
         """The step's per-row sampling tensors. A decode batch usually has the rows of the step
         before, so the last batch is reused when every row has the same params and generator
         objects (the cache holds them, so no id is reused) and no row needs the token history."""
         params = [st.sampling for st in states]
         gens = [st.generator for st in states]
         cached = self._batch_cache
-        if cached is not None and len(cached[0]) == len(params) \
-                and all(a is b for a, b in zip(cached[0], params)) and all(a is b for a, b in zip(cached[1], gens)):
+        if (
+            cached is not None
+            and len(cached[0]) == len(params)
+            and all(a is b for a, b in zip(cached[0], params))
+            and all(a is b for a, b in zip(cached[1], gens))
+        ):
             return cached[2]
         prompts = outputs = None
-        penalties = any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        penalties = any(
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
+        )
         if penalties:
             prompts = [st.token_ids[: st.num_prompt_tokens] for st in states]
             outputs = [st.token_ids[st.num_prompt_tokens :] for st in states]
@@ -317,10 +298,9 @@ class ModelRunner:
         decode graphs' padding rows use that spare one). Growing it replaces the graphs' own
         buffer, which they were captured on: from then on _graph_decode declines."""
         capacity = self.block_tables.table.shape[0]
-        if self._last_token is None or self._last_token.numel() <= capacity:
+        if self._last_token.numel() <= capacity:
             grown = torch.zeros(capacity + 1, dtype=torch.int64, device=self.device)
-            if self._last_token is not None:
-                grown[: self._last_token.numel()] = self._last_token
+            grown[: self._last_token.numel()] = self._last_token
             self._last_token = grown
 
     def _remember_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -335,41 +315,26 @@ class ModelRunner:
             return self.prefill_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.pools.layer_caches, meta)
 
-    def _multi_step(self, num_steps: int, seqs: list[SeqStep], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> LaunchedStep:
-        """num_steps decode steps back to back: each feeds the tokens the previous one sampled,
-        with positions, slots and lengths advanced on the device; one host sync at the end.
-        The scheduler has reserved the blocks of every sub-step."""
-        if not meta.is_decode or not all(s.sample for s in seqs):
-            raise ValueError("multi-step runs only decode-only batches that sample every sequence")
-        batch = self._sampling_batch([self.seqs[s.seq_id] for s in seqs])  # no penalties here (single-step rows)
-        bs = self.block_size
-        sampled = []
-        for k in range(num_steps):
-            hidden = self._forward(input_ids, positions, meta)
-            input_ids = self.sampler(self.model.compute_logits(hidden), batch).token_ids  # (B,)
-            sampled.append(input_ids)
-            if k + 1 < num_steps:
-                positions = positions + 1
-                block = meta.block_tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1).long()
-                meta = AttentionMetadata(
-                    slot_mapping=block * bs + positions % bs, block_tables=meta.block_tables, seq_lens=meta.seq_lens + 1,
-                    cu_seqlens_q=meta.cu_seqlens_q, is_decode=True,
-                    prefix_blocks=meta.prefix_blocks, max_prefix_blocks=meta.max_prefix_blocks,
-                )
-        self._remember_sampled(self._rows, input_ids)
-        return LaunchedStep(self.seqs, self._state_lock, seqs, torch.stack(sampled, dim=1))  # (B, num_steps)
-
     def _update_seq(self, s: SeqStep) -> None:
         state = self.seqs.get(s.seq_id)
         if state is None or s.sampling is not None:
-            problem = "its first step must carry sampling params" if s.sampling is None else row_problem(s.sampling, self.config.vocab_size)
+            sampling = s.sampling
+            if sampling is None:
+                raise SequenceFailed(s.seq_id, "its first step must carry sampling params")
+            problem = row_problem(sampling, self.config.vocab_size)
             if problem is not None:
                 raise SequenceFailed(s.seq_id, problem)
             if state is None:
-                gen = make_generator(s.sampling.seed, self.device) if getattr(s.sampling, "seed", None) is not None else None
+                gen = make_generator(sampling.seed, self.device) if sampling.seed is not None else None
                 prompt = list(s.prompt_token_ids or [])
-                state = _SeqState(s.sampling, len(prompt), token_ids=prompt, generator=gen, row=self.block_tables.acquire(),
-                                  plain=plain_row(s.sampling))
+                state = _SeqState(
+                    sampling,
+                    len(prompt),
+                    token_ids=prompt,
+                    generator=gen,
+                    row=self.block_tables.acquire(),
+                    plain=plain_row(sampling),
+                )
                 self.seqs[s.seq_id] = state
         if s.table_blocks is not None:
             self.block_tables.write(state.row, s.table_start, s.table_blocks)
@@ -382,14 +347,16 @@ class ModelRunner:
             if len(state.token_ids) >= end:
                 fed = fed[:-1] + [state.token_ids[end - 1]]  # its result was already read back
         state.sampled |= s.sample
-        del state.token_ids[s.start_pos:]
+        del state.token_ids[s.start_pos :]
         if len(state.token_ids) < s.start_pos:  # history unknown (restart): pad, positions matter
             state.token_ids.extend([-1] * (s.start_pos - len(state.token_ids)))
         state.token_ids.extend(fed)
         if end > state.num_blocks * self.block_size:
             raise SequenceFailed(s.seq_id, f"{end} tokens but only {state.num_blocks} blocks")
 
-    def _prepare(self, seqs: list[SeqStep], rows: list[int], tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, SeqStep]]]:
+    def _prepare(
+        self, seqs: list[SeqStep], rows: list[int], tables: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, SeqStep]]]:
         """Flatten the batch (rows: the sequences' rows of the persistent host block table,
         tables: those rows, as wide as the longest). The slot mapping is computed from the
         tables on the host, and every per-token and per-sequence array travels in one
@@ -398,8 +365,15 @@ class ModelRunner:
         lens = [len(s.token_ids) for s in seqs]
         num_tokens = sum(lens)
         packed = np.empty(3 * num_tokens + 3 * num_seqs + 2, dtype=np.int64)
-        ids, pos, slots = packed[:num_tokens], packed[num_tokens : 2 * num_tokens], packed[2 * num_tokens : 3 * num_tokens]
-        seq_lens, cu = packed[3 * num_tokens : 3 * num_tokens + num_seqs], packed[3 * num_tokens + num_seqs : 3 * num_tokens + 2 * num_seqs + 1]
+        ids, pos, slots = (
+            packed[:num_tokens],
+            packed[num_tokens : 2 * num_tokens],
+            packed[2 * num_tokens : 3 * num_tokens],
+        )
+        seq_lens, cu = (
+            packed[3 * num_tokens : 3 * num_tokens + num_seqs],
+            packed[3 * num_tokens + num_seqs : 3 * num_tokens + 2 * num_seqs + 1],
+        )
         cu[0] = 0
         np.cumsum(lens, out=cu[1:])
         if num_tokens == num_seqs:  # decode: one token each
@@ -431,11 +405,21 @@ class ModelRunner:
             seq_lens=packed_dev[3 * t : 3 * t + num_seqs].to(torch.int32),
             cu_seqlens_q=packed_dev[3 * t + num_seqs : 3 * t + 2 * num_seqs + 1].to(torch.int32),
             is_decode=num_tokens == num_seqs,
-            prefix_blocks=packed_dev[-1:].to(torch.int32) if prefix else None, max_prefix_blocks=prefix,
+            prefix_blocks=packed_dev[-1:].to(torch.int32) if prefix else None,
+            max_prefix_blocks=prefix,
             max_query_len=max(lens),
         )
         ids_dev, pos_dev = packed_dev[:t], packed_dev[t : 2 * t]
         return ids_dev, pos_dev, meta, sample_rows
+
+
+def _fused_sample(ops_name: str) -> Callable[..., torch.Tensor] | None:
+    """The one-pass sampling kernel on the Triton ops (imported only there), else None."""
+    if ops_name != "triton":
+        return None
+    from kernels.triton_sample import gumbel_sample
+
+    return gumbel_sample
 
 
 def _longest_first(seqs: list[SeqStep]) -> list[SeqStep]:

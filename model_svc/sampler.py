@@ -7,16 +7,18 @@ step in SamplingBatch.build. A seeded request draws its noise from its own torch
 so its tokens do not depend on what else is in the batch.
 
 A batch that fails is sampled again row by row, and the first row that fails alone is named
-(SequenceFailed, with the row's sequence id), so that the scheduler fails that sequence only; row_problem checks a sequence's
-knobs against the vocabulary when it arrives, before it is ever in a batch.
+(SequenceFailed, with the row's sequence id), so that the scheduler fails that sequence only;
+row_problem checks a sequence's knobs against the vocabulary when it arrives, before it is
+ever in a batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,8 +56,12 @@ def plain_row(params: Any) -> tuple[float, bool] | None:
     holds (Sampler's fused path, and the decode graphs' sampling): greedy, or temperature
     alone (no top-k, top-p, min-p or seed); no penalties or logprobs either way. None for any
     other row. A greedy row's temperature is 1.0, as SamplingBatch keeps it."""
-    if params.logprobs is not None or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 \
-            or params.frequency_penalty != 0.0:
+    if (
+        params.logprobs is not None
+        or params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    ):
         return None
     if is_greedy(params):
         return 1.0, True
@@ -148,8 +154,11 @@ class SamplingBatch:
 
     def row(self, i: int) -> SamplingBatch:
         """Row i alone, as a batch of one."""
-        cut = {f.name: getattr(self, f.name)[i : i + 1] for f in dataclasses.fields(self)
-               if isinstance(getattr(self, f.name), (torch.Tensor, list))}
+        cut = {
+            f.name: getattr(self, f.name)[i : i + 1]
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), (torch.Tensor, list))
+        }
         n = self.num_logprobs[i]
         return dataclasses.replace(self, **cut, all_greedy=bool(self.greedy[i]), max_num_logprobs=n, plain=False)
 
@@ -159,7 +168,6 @@ class SamplerOutput:
     token_ids: torch.Tensor  # (B,) int64
     # Logprobs of the raw model logits (vLLM's default), only when some row asked:
     logprobs: torch.Tensor | None = None  # (B,) fp32: the sampled token's logprob
-    ranks: torch.Tensor | None = None  # (B,) int64: 1 + number of tokens more likely
     top_token_ids: torch.Tensor | None = None  # (B, max_n) int64; row b uses its first n_b
     top_logprobs: torch.Tensor | None = None  # (B, max_n) fp32, descending
 
@@ -176,9 +184,10 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Repetition (HF/vLLM: over prompt + output, logit > 0 -> /p else *p), then frequency and
     presence (OpenAI: over output tokens only). logits (B, V) fp32 -> new tensor."""
     vocab_size = logits.shape[1]
-    output_counts = _token_counts(batch.output_tokens, vocab_size) if batch.output_tokens is not None else None
+    assert batch.output_tokens is not None, "a batch with a penalty carries the output history"
+    output_counts = _token_counts(batch.output_tokens, vocab_size)
     if batch.repetition_penalty is not None:
-        assert batch.prompt_tokens is not None and output_counts is not None
+        assert batch.prompt_tokens is not None, "a repetition penalty carries the prompts too"
         seen = (_token_counts(batch.prompt_tokens, vocab_size) > 0) | (output_counts > 0)  # (B, V)
         penalty = torch.where(seen, batch.repetition_penalty[:, None], 1.0)
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -246,8 +255,10 @@ class Sampler:
         self._calls += 1
         return (self._seed + self._calls * 0x9E3779B1) & 0x7FFFFFFF
 
-    def _fused_ok(self, batch: SamplingBatch) -> bool:
-        return self.fused is not None and batch.plain and not batch.all_greedy and all(g is None for g in batch.generators)
+    @staticmethod
+    def _fused_ok(batch: SamplingBatch) -> bool:
+        """The one-pass kernel can sample this batch (when there is one)."""
+        return batch.plain and not batch.all_greedy and all(g is None for g in batch.generators)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, seqs: Sequence[Any] | None = None) -> SamplerOutput:
         """Sample every row. seqs: the rows' sequences (with a seq_id); when the batch fails,
@@ -256,15 +267,15 @@ class Sampler:
         try:
             return self._sample_batch(logits, batch)
         except Exception as exc:
-            for i in range(logits.shape[0] if seqs is not None else 0):
+            for i, seq in enumerate(seqs or ()):
                 try:
                     self._sample_batch(logits[i : i + 1], batch.row(i))
                 except Exception as row_exc:  # noqa: BLE001 - named in SequenceFailed
-                    raise SequenceFailed(seqs[i].seq_id, f"sampling failed: {row_exc!r}") from row_exc
+                    raise SequenceFailed(seq.seq_id, f"sampling failed: {row_exc!r}") from row_exc
             raise exc
 
     def _sample_batch(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        if self._fused_ok(batch):
+        if self.fused is not None and self._fused_ok(batch):
             seed = self.next_seed()
             try:
                 return SamplerOutput(token_ids=self.fused(logits, batch.temperature, batch.greedy, seed))
@@ -296,5 +307,4 @@ class Sampler:
     def _add_logprobs(out: SamplerOutput, logprobs: torch.Tensor, max_n: int) -> None:
         sampled = logprobs.gather(1, out.token_ids.unsqueeze(1))  # (B, 1)
         out.logprobs = sampled.squeeze(1)
-        out.ranks = (logprobs > sampled).sum(dim=-1) + 1
         out.top_logprobs, out.top_token_ids = logprobs.topk(min(max_n, logprobs.shape[-1]), dim=-1)

@@ -9,17 +9,19 @@ thread, so health checks answer while a step (or the model load) runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import grpc
 
 from contracts import phase_times, step_convert
 from contracts.errors import FailedPrecondition, Unavailable
+from contracts.model_info import ModelFacts, ModelInfo, info_to_pb
 from contracts.rpc import announce, freeze_heap, start_server, stop_event
 from contracts.service_config import ModelSection
 from contracts.step import StepInput
@@ -35,22 +37,6 @@ class EpochMismatch(FailedPrecondition):
     pass
 
 
-@dataclass(slots=True)
-class ModelInfo:
-    epoch: str
-    model: str
-    family: str
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    block_size: int
-    num_device_blocks: int
-    num_host_blocks: int
-    device: str
-    dtype: str
-
-
 class ModelService:
     def __init__(self, config: ModelSection, max_num_seqs: int = 256, runner: Any = None) -> None:
         self.config = config
@@ -64,19 +50,36 @@ class ModelService:
 
         c = self.config  # validated when loaded (ModelSection); c.model is a local directory (serve_cli)
         self.runner = ModelRunner(
-            c.model, block_size=c.block_size, num_device_blocks=c.num_gpu_blocks,
+            c.model,
+            block_size=c.block_size,
+            num_device_blocks=c.num_gpu_blocks,
             num_host_blocks=functools.partial(host_pool_blocks, c.num_cpu_blocks, c.swap_space_gib),
-            device=c.device, dtype=c.dtype, kernel_backend=c.kernel_backend,
-            device_memory_fraction=c.gpu_memory_utilization, max_num_batched_tokens=c.max_num_batched_tokens,
-            enforce_eager=c.enforce_eager, max_num_seqs=self.max_num_seqs, torch_threads=c.torch_threads,
+            device=c.device,
+            dtype=c.dtype,
+            kernel_backend=c.kernel_backend,
+            device_memory_fraction=c.gpu_memory_utilization,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            enforce_eager=c.enforce_eager,
+            max_num_seqs=self.max_num_seqs,
+            torch_threads=c.torch_threads,
         )
 
     def info(self) -> ModelInfo:
         r = self._ready()
         mc = r.config
-        return ModelInfo(self.epoch, self.config.model, mc.family, mc.vocab_size, mc.max_position_embeddings,
-                         tuple(mc.eos_token_ids), mc.bos_token_id, r.block_size, r.num_device_blocks, r.num_host_blocks,
-                         str(r.device), str(r.dtype))
+        facts = ModelFacts(
+            mc.family, mc.vocab_size, mc.max_position_embeddings, tuple(mc.eos_token_ids), mc.bos_token_id
+        )
+        return ModelInfo(
+            self.epoch,
+            self.config.model,
+            r.block_size,
+            r.num_device_blocks,
+            r.num_host_blocks,
+            str(r.device),
+            str(r.dtype),
+            facts,
+        )
 
     def launch(self, expected_epoch: str, inp: StepInput) -> Any:
         """Queue the step on the device (ModelRunner.launch); `.result()` reads it back."""
@@ -89,14 +92,6 @@ class ModelService:
         if self.runner is None:
             raise Unavailable("the model is still loading")
         return self.runner
-
-
-def info_to_pb(i: ModelInfo) -> pb.GetInfoResponse:
-    return pb.GetInfoResponse(
-        epoch=i.epoch, model=i.model, family=i.family, vocab_size=i.vocab_size, max_position_embeddings=i.max_position_embeddings,
-        eos_token_ids=i.eos_token_ids, bos_token_id=i.bos_token_id, block_size=i.block_size, num_device_blocks=i.num_device_blocks,
-        num_host_blocks=i.num_host_blocks, device=i.device, dtype=i.dtype, columnar_step=True,
-    )
 
 
 class ModelServicer(pb_grpc.ModelServiceServicer):
@@ -145,7 +140,9 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         finally:
             reader.cancel()
 
-    def _launch(self, request: pb.StepRequest, loop: asyncio.AbstractEventLoop, answer: asyncio.Future, received: float) -> None:
+    def _launch(
+        self, request: pb.StepRequest, loop: asyncio.AbstractEventLoop, answer: asyncio.Future, received: float
+    ) -> None:
         """On the launch thread."""
         try:
             phase_times.add("model.queued", received)
@@ -155,18 +152,18 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             t = phase_times.start()
             launched = self.service.launch(request.expected_epoch, inp)
             phase_times.add("model.launch", t)
-            self.readback.submit(self._read_back, launched, request.columnar_answer, loop, answer)
+            self.readback.submit(self._read_back, launched, loop, answer)
         except BaseException as exc:  # noqa: BLE001 - raised in the handler (the interceptor maps it)
             _settle(loop, answer, None, exc)
 
-    def _read_back(self, launched: Any, columnar: bool, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
+    def _read_back(self, launched: Any, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
         """On the readback thread."""
         try:
             t = phase_times.start()
             out = launched.result()
             phase_times.add("model.wait", t)
             t = phase_times.start()
-            resp = step_convert.output_to_pb(out, self.service.epoch, columnar)
+            resp = step_convert.output_to_pb(out, self.service.epoch)
             phase_times.add("model.encode", t)
         except BaseException as exc:  # noqa: BLE001
             _settle(loop, answer, None, exc)
@@ -189,10 +186,8 @@ def _settle(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, result: Any
         else:
             answer.set_result(result)
 
-    try:
+    with contextlib.suppress(RuntimeError):  # the loop is closed
         loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the loop is closed
-        pass
 
 
 async def serve(config: ModelSection, max_num_seqs: int = 256, token: str | None = None) -> None:
@@ -201,20 +196,29 @@ async def serve(config: ModelSection, max_num_seqs: int = 256, token: str | None
     service = ModelService(config, max_num_seqs)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
     servicer = ModelServicer(service, executor)
-    running = await start_server(config.address, [(pb_grpc.add_ModelServiceServicer_to_server, servicer, SERVICE_NAME)],
-                                 auth_token=token)
+    running = await start_server(
+        config.address, [(pb_grpc.add_ModelServiceServicer_to_server, servicer, SERVICE_NAME)], auth_token=token
+    )
     stop = stop_event()
     load = asyncio.get_running_loop().run_in_executor(executor, service.load)
     stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
+    either: list[asyncio.Future[Any]] = [load, stopped]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     if load.done():
         load.result()  # a model that fails to load ends the process with the error
         freeze_heap()  # the model and torch: out of the collector's sight, so no full collection stalls a step
         phase_times.configure("model", "model.wait")
         await running.set_serving(True)
-        logger.info("model service epoch %s: %d device / %d host blocks", service.epoch,
-                    service.runner.num_device_blocks, service.runner.num_host_blocks)
-        announce(f"model service ready: gRPC {running.address} ({service.runner.config.architecture}, {service.runner.device})")
+        logger.info(
+            "model service epoch %s: %d device / %d host blocks",
+            service.epoch,
+            service.runner.num_device_blocks,
+            service.runner.num_host_blocks,
+        )
+        announce(
+            f"model service ready: gRPC {running.address} "
+            f"({service.runner.config.architecture}, {service.runner.device})"
+        )
         await stopped
     await running.set_serving(False)
     await running.server.stop(grace=5)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 
-def to_device(values: np.ndarray | Sequence[Any], dtype: torch.dtype | None, device: torch.device | str, pinned: bool) -> torch.Tensor:
+def to_device(
+    values: np.ndarray | Sequence[Any], dtype: torch.dtype | None, device: torch.device | str, pinned: bool
+) -> torch.Tensor:
     """A host array or list on the device. pinned (CUDA): staged in pinned memory and copied
     non-blocking, so queuing a step never waits for the step in flight."""
     if isinstance(values, np.ndarray):

@@ -1,7 +1,7 @@
 """Scheduler service: requests, policy, streaming and the public API.
 
-    from scheduler_svc import LLM, SamplingParams
-    LLM().generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40))
+from scheduler_svc import LLM, SamplingParams
+LLM().generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40))
 """
 
 from contracts.sampling_params import SamplingParams

@@ -22,17 +22,28 @@ from scheduler_svc.cli_args import HelpFormatter, UsageError, add_log_flags, add
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     try:
         return SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-            max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
-            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty, logprobs=args.logprobs,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            stop=args.stop,
+            stop_token_ids=args.stop_token_ids,
+            ignore_eos=args.ignore_eos,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            logprobs=args.logprobs,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
-MODEL_HELP = ("a local Hugging Face model directory, or a repo id (org/name) already in the local Hugging Face cache; "
-              "never downloaded")
+MODEL_HELP = (
+    "a local Hugging Face model directory, or a repo id (org/name) already in the local Hugging Face cache; "
+    "never downloaded"
+)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -41,19 +52,40 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=BUNDLED_MODEL, help=MODEL_HELP + " (default: the bundled stories260k)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
-    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument(
+        "--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)"
+    )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (a power of two)")
-    g.add_argument("--num-gpu-blocks", type=int, default=None, help="device KV pool size in blocks (default: measured from free memory)")
-    g.add_argument("--num-cpu-blocks", type=int, default=None, help="host (swap) KV pool size in blocks (default: 1 GiB of blocks, at most 4x the device pool)")
+    g.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="device KV pool size in blocks (default: measured from free memory)",
+    )
+    g.add_argument(
+        "--num-cpu-blocks",
+        type=int,
+        default=None,
+        help="host (swap) KV pool size in blocks (default: 1 GiB of blocks, at most 4x the device pool)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens in one step at most (prompt chunks included)")
-    g.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"],
-                   help="what a preempted request does with its KV blocks: swap them to the host pool, or drop and recompute them")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="tokens in one step at most (prompt chunks included)"
+    )
+    g.add_argument(
+        "--preemption-mode",
+        default="swap",
+        choices=["swap", "recompute"],
+        help="what a preempted request does with its KV blocks: swap them to the host pool, or drop and recompute them",
+    )
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (default: on)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (default: off, graphs on cuda)")
-    g.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per schedule (multi-step)")
-    g.add_argument("--torch-threads", type=int, default=None,
-                   help="CPU threads for torch (default: 1 for a model under 100M parameters, else one per core)")
+    g.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: 1 for a model under 100M parameters, else one per core)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -61,10 +93,18 @@ def engine_config_from_args(args: argparse.Namespace):
 
     try:
         return EngineConfig(
-            model=args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
-            enable_prefix_caching=not args.no_prefix_caching, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-            num_scheduler_steps=args.num_scheduler_steps, torch_threads=args.torch_threads,
+            model=args.model,
+            block_size=args.block_size,
+            num_gpu_blocks=args.num_gpu_blocks,
+            num_cpu_blocks=args.num_cpu_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            preemption_mode=args.preemption_mode,
+            enable_prefix_caching=not args.no_prefix_caching,
+            device=args.device,
+            dtype=args.dtype,
+            enforce_eager=args.enforce_eager,
+            torch_threads=args.torch_threads,
         )
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None
@@ -118,12 +158,18 @@ def package_version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="picovllm", description="pico-vllm: a small LLM inference server with a paged KV cache")
-    parser.add_argument("--version", action="version", version=f"picovllm {package_version()}", help="print the version and exit")
+    parser.add_argument(
+        "--version", action="version", version=f"picovllm {package_version()}", help="print the version and exit"
+    )
     add_log_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate text in this process (no server needed)",
-                         description="Generate text in this process: no server, no Redis, no GPU needed. Greedy unless --temperature is given.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate text in this process (no server needed)",
+        description="Generate text in this process: no server, no Redis, no GPU needed. "
+        "Greedy unless --temperature is given.",
+    )
     gen.add_argument("prompt", help="the prompt text")
     add_log_flags(gen)
     add_engine_flags(gen)

@@ -50,7 +50,9 @@ def sampling_to_pb(**sampling: Any) -> pb.SamplingParams:
     return m
 
 
-def generate_request(prompt: str | list[int], request_id: str = "", cache_salt: str = "", **sampling: Any) -> pb.GenerateRequest:
+def generate_request(
+    prompt: str | list[int], request_id: str = "", cache_salt: str = "", **sampling: Any
+) -> pb.GenerateRequest:
     req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt, sampling=sampling_to_pb(**sampling))
     if isinstance(prompt, str):
         req.text = prompt
@@ -61,24 +63,44 @@ def generate_request(prompt: str | list[int], request_id: str = "", cache_salt: 
 
 
 class Client:
-    def __init__(self, address: str | None = None, timeout: float | None = None, api_key: str | None = None,
-                 tls_ca: bytes | str | None = None) -> None:
-        self.address = address or os.environ.get("PICOVLLM_SCHEDULER_ADDR", DEFAULT_ADDRESS).replace("0.0.0.0", "127.0.0.1")
+    def __init__(
+        self,
+        address: str | None = None,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls_ca: bytes | str | None = None,
+    ) -> None:
+        self.address = address or os.environ.get("PICOVLLM_SCHEDULER_ADDR", DEFAULT_ADDRESS).replace(
+            "0.0.0.0", "127.0.0.1"
+        )
         self.timeout = timeout
         self.metadata = call_metadata(api_key if api_key is not None else read_secret(API_KEY_ENV, check=False))
         if isinstance(tls_ca, str):
             with open(tls_ca, "rb") as f:
                 tls_ca = f.read()
-        self.channel = (grpc.secure_channel(self.address, grpc.ssl_channel_credentials(tls_ca)) if tls_ca
-                        else grpc.insecure_channel(self.address))
+        self.channel = (
+            grpc.secure_channel(self.address, grpc.ssl_channel_credentials(tls_ca))
+            if tls_ca
+            else grpc.insecure_channel(self.address)
+        )
         self.stub = pb_grpc.SchedulerServiceStub(self.channel)
 
-    def generate(self, prompt: str | list[int], *, request_id: str = "", cache_salt: str = "", timeout: float | None = None,
-                 **sampling: Any) -> Iterator[pb.GenerateResponse]:
+    def generate(
+        self,
+        prompt: str | list[int],
+        *,
+        request_id: str = "",
+        cache_salt: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> Iterator[pb.GenerateResponse]:
         """Stream the completion, one message per step; the last one has a finish reason.
         Closing the iterator early cancels the call (the server aborts the request)."""
-        call = self.stub.Generate(generate_request(prompt, request_id, cache_salt, **sampling), timeout=timeout or self.timeout,
-                                  metadata=self.metadata)
+        call = self.stub.Generate(
+            generate_request(prompt, request_id, cache_salt, **sampling),
+            timeout=timeout or self.timeout,
+            metadata=self.metadata,
+        )
         try:
             yield from call
         finally:
@@ -119,7 +141,7 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -128,19 +150,37 @@ class Client:
 
 # ----------------------------------------------------------------- CLI
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("client", help="stream a completion from a running server",
-                              description="Stream a completion from a running `picovllm serve` (greedy unless --temperature is given), "
-                                          "or with --wait-ready alone, wait until the server is ready.")
+    p = subparsers.add_parser(
+        "client",
+        help="stream a completion from a running server",
+        description="Stream a completion from a running `picovllm serve` (greedy unless --temperature is given), "
+        "or with --wait-ready alone, wait until the server is ready.",
+    )
     p.add_argument("prompt", nargs="?", default=None, help="the prompt text (may be left out with --wait-ready)")
-    p.add_argument("--addr", default=None, help=f"scheduler address (default: $PICOVLLM_SCHEDULER_ADDR, else {DEFAULT_ADDRESS})")
+    p.add_argument(
+        "--addr", default=None, help=f"scheduler address (default: $PICOVLLM_SCHEDULER_ADDR, else {DEFAULT_ADDRESS})"
+    )
     p.add_argument("--timeout", type=float, default=None, help="deadline of the completion in seconds (default: none)")
-    p.add_argument("--tls-ca", default=None, metavar="FILE",
-                   help="PEM file of the CA (or self-signed certificate) to trust: talk TLS to the scheduler (default: plaintext)")
-    p.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help=f"a file holding the API key (default: ${API_KEY_ENV}, else none; never on the command line)")
-    p.add_argument("--wait-ready", type=float, default=None, metavar="SECONDS",
-                   help="first wait up to SECONDS for the scheduler's health to say SERVING; exit 1 if it does not "
-                        "(default: no wait, fail at once when the server is not up)")
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="PEM file of the CA (or self-signed certificate) to trust: talk TLS to the scheduler (default: plaintext)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help=f"a file holding the API key (default: ${API_KEY_ENV}, else none; never on the command line)",
+    )
+    p.add_argument(
+        "--wait-ready",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="first wait up to SECONDS for the scheduler's health to say SERVING; exit 1 if it does not "
+        "(default: no wait, fail at once when the server is not up)",
+    )
     add_log_flags(p)
     add_sampling_flags(p)
     p.set_defaults(func=cmd_client)
@@ -152,7 +192,10 @@ def cmd_client(args: argparse.Namespace) -> int:
     if args.wait_ready is not None:
         with _client(args) as client:
             if not client.wait_ready(args.wait_ready):
-                print(f"picovllm: error: the scheduler at {client.address} is not ready after {args.wait_ready:g} s", file=sys.stderr)
+                print(
+                    f"picovllm: error: the scheduler at {client.address} is not ready after {args.wait_ready:g} s",
+                    file=sys.stderr,
+                )
                 return 1
         if args.prompt is None:
             return 0
@@ -161,10 +204,19 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 def _complete(args: argparse.Namespace) -> int:
     sampling = dict(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-        max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, logprobs=args.logprobs,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        stop_token_ids=args.stop_token_ids,
+        ignore_eos=args.ignore_eos,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logprobs=args.logprobs,
     )
     out = sys.stdout
     last = None
@@ -190,7 +242,9 @@ def _complete(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace, timeout: float | None = None) -> Client:
     """The CLI's client: the API key from --api-key-file or the environment, TLS with --tls-ca."""
     try:
-        return Client(args.addr, timeout, api_key=read_secret(API_KEY_ENV, args.api_key_file, check=False), tls_ca=args.tls_ca)
+        return Client(
+            args.addr, timeout, api_key=read_secret(API_KEY_ENV, args.api_key_file, check=False), tls_ca=args.tls_ca
+        )
     except ValueError as exc:  # an unreadable key file
         raise UsageError(str(exc)) from None
     except OSError as exc:  # the CA file
@@ -199,7 +253,12 @@ def _client(args: argparse.Namespace, timeout: float | None = None) -> Client:
 
 def _describe(err: grpc.RpcError, address: str, before_any_answer: bool) -> str:
     if err.code() == grpc.StatusCode.UNAUTHENTICATED:
-        return f"the scheduler at {address} refused the credentials: set ${API_KEY_ENV} (or --api-key-file) to its API key"
+        return (
+            f"the scheduler at {address} refused the credentials: set ${API_KEY_ENV} (or --api-key-file) to its API key"
+        )
     if err.code() == grpc.StatusCode.UNAVAILABLE and before_any_answer:
-        return f"the scheduler at {address} is unavailable: {err.details()} (is `picovllm serve` up? --wait-ready SECONDS waits for it)"
+        return (
+            f"the scheduler at {address} is unavailable: {err.details()} "
+            "(is `picovllm serve` up? --wait-ready SECONDS waits for it)"
+        )
     return f"{err.code().name}: {err.details()}"

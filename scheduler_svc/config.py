@@ -7,8 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.service_config import BUNDLED_MODEL
-
+from contracts.service_config import BUNDLED_MODEL, check_preemption_mode
 
 # Hugging Face's repo id forms, "name" or "namespace/name"; anything else is a path.
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -37,7 +36,8 @@ def resolve_model(model: str) -> str:
         pass
     raise ModelNotFoundError(
         f"model {model!r} is not a local directory and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
-        f"this server never downloads: fetch it first with `hf download {model}` (older huggingface_hub: `huggingface-cli download`)"
+        f"this server never downloads: fetch it first with `hf download {model}` "
+        "(older huggingface_hub: `huggingface-cli download`)"
     )
 
 
@@ -59,10 +59,13 @@ class EngineConfig:
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     kernel_backend: str | None = None  # None: triton on cuda, torch otherwise
     enforce_eager: bool = False  # True: no CUDA graphs
-    num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps per schedule
+    # TODO(merge): only 1 is accepted (multi-step scheduling was removed); scheduler_svc/engine.py
+    # and remote_engine.py, left untouched until the engine-core change lands, still read it.
+    # Delete it with those reads.
+    num_scheduler_steps: int = 1
     # Schedule step k+1 while step k runs (placeholder tokens; identical output). None: on when
-    # the engine drives a CUDA model runner with one scheduler step (1.37x tokens/s and 1.35x
-    # lower batch-1 latency on the H200, bench/NOTES.md), off on the CPU where nothing overlaps.
+    # the engine drives a CUDA model runner (faster in tokens/s and batch-1 latency, bench/NOTES.md),
+    # off on the CPU where nothing overlaps.
     async_scheduling: bool | None = None
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks)
     torch_threads: int | None = None  # CPU threads for torch; None: one for a small model, else one per core
@@ -81,12 +84,13 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
-        if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+        check_preemption_mode("preemption_mode", self.preemption_mode)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
+        if self.num_scheduler_steps != 1:
+            raise ValueError(
+                f"multi-step scheduling was removed: num_scheduler_steps must be 1, got {self.num_scheduler_steps!r}"
+            )
         if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
             raise ValueError(f"torch_threads must be a positive integer or None, got {self.torch_threads!r}")
         if self.max_num_batched_tokens < 1:
@@ -101,14 +105,13 @@ class EngineConfig:
 
     @property
     def small_batch_pdl(self) -> bool:
-        return small_batch_pdl(self.async_scheduling, self.num_scheduler_steps)
+        return small_batch_pdl(self.async_scheduling)
 
 
-def small_batch_pdl(async_scheduling: bool | None, num_scheduler_steps: int) -> bool:
+def small_batch_pdl(async_scheduling: bool | None) -> bool:
     """Whether the model runner's small-batch decode graphs should capture programmatic
     dependent launch (model_svc.cuda_graphs.PDL_MAX_BATCH): yes when steps are queued back to
-    back (overlapped scheduling, the default on CUDA, or several scheduler steps), where it
-    took batch-1 decode from 0.936 to 0.879 ms a token on the H200; no when each step is
-    launched alone and waited for (synchronous, one step: 1.210 -> 1.326 ms, measured in the
-    same call, as bench/results/latency_h200.md records)."""
-    return not (async_scheduling is False and num_scheduler_steps == 1)
+    back (overlapped scheduling, the default on CUDA), where it shortens batch-1 decode; no
+    when each step is launched alone and waited for (synchronous), where it lengthens it
+    (bench/NOTES.md, "PDL for small batches")."""
+    return async_scheduling is not False

@@ -34,8 +34,13 @@ class PeerMonitor:
     reach a peer (None when it could). `on_change(down)`: awaited when `down` (unreachable
     for at least `down_after_s`) flips. Times are time.monotonic()."""
 
-    def __init__(self, peers: dict[str, str], down_after_s: float, engine_unavailable: Callable[[], str | None] = lambda: None,
-                 on_change: Callable[[bool], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        peers: dict[str, str],
+        down_after_s: float,
+        engine_unavailable: Callable[[], str | None] = lambda: None,
+        on_change: Callable[[bool], Awaitable[None]] | None = None,
+    ) -> None:
         self.peers = peers
         self.down_after_s = down_after_s
         self.engine_unavailable = engine_unavailable
@@ -43,7 +48,9 @@ class PeerMonitor:
         self.failing_since: float | None = None  # start of the current stretch of failed probes
         self.why: str | None = None  # the last failure, for logs (it names internal addresses)
         self.down = False
-        self._channels = {name: grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for name, address in peers.items()}
+        self._channels = {
+            name: grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for name, address in peers.items()
+        }
 
     def unreachable_for(self, now: float | None = None) -> float:
         """Seconds a peer has been unreachable without a break (0 when all answer)."""
@@ -56,8 +63,11 @@ class PeerMonitor:
         return next((why for why in answers if why is not None), None) or self.engine_unavailable()
 
     async def _probe_one(self, name: str, channel: grpc.aio.Channel) -> str | None:
-        check = channel.unary_unary(_CHECK, request_serializer=health.HealthCheckRequest.SerializeToString,
-                                    response_deserializer=health.HealthCheckResponse.FromString)
+        check = channel.unary_unary(
+            _CHECK,
+            request_serializer=health.HealthCheckRequest.SerializeToString,
+            response_deserializer=health.HealthCheckResponse.FromString,
+        )
         try:
             answer = await check(health.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S)
         except grpc.RpcError as err:

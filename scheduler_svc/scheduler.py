@@ -24,22 +24,16 @@ from scheduler_svc.request import Request, RequestStatus
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
+    """The scheduler's limits, taken from an EngineConfig, which has validated them."""
+
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     preemption_mode: str = "swap"  # "swap" | "recompute"
     enable_chunked_prefill: bool = True
-    num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps per schedule
+    # TODO(merge): unused; scheduler_svc/engine.py (left untouched until the engine-core change
+    # lands) still passes it positionally. Delete it with that argument.
+    num_scheduler_steps: int = 1
     max_model_len: int = 1 << 30
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
-        if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
 
 
 @dataclass(slots=True)
@@ -67,11 +61,6 @@ class SchedulerStats:
     num_steps: int = 0
 
 
-def _needs_single_step(req: Request) -> bool:
-    """Penalties need the history updated per token, logprobs are returned per step."""
-    return req.sampling.logprobs is not None or req.sampling.has_penalties
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -86,7 +75,10 @@ class Scheduler:
     def add(self, request: Request) -> None:
         needed = self.kv.num_blocks_for(request.num_prompt_tokens + 1)
         if needed > self.kv.device.num_blocks:
-            raise ValueError(f"prompt of {request.num_prompt_tokens} tokens needs {needed} blocks; the device pool has {self.kv.device.num_blocks}")
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens needs {needed} blocks; "
+                f"the device pool has {self.kv.device.num_blocks}"
+            )
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -142,43 +134,9 @@ class Scheduler:
             budget = self._swap_in(out, budget)
         if not self.swapped and not preempted:
             self._admit(out, budget)
-        if self.config.num_scheduler_steps > 1 and not preempted:
-            self._reserve_multi_step(out)
         out.step.finished, self.pending_finished = self.pending_finished, []
         self.stats.num_steps += 1
         return out
-
-    def _reserve_multi_step(self, out: SchedulerOutput) -> None:
-        """A decode-only batch with nobody else waiting runs several steps per schedule: the
-        device feeds each sampled token back itself, and the host work of scheduling and
-        output processing is paid once per `num_steps` tokens. Blocks for every sub-step are
-        reserved now; stop strings and EOS are checked afterwards (tokens past a stop are
-        dropped)."""
-        if self.waiting or self.swapped or not out.scheduled or out.step.swap_in:
-            return
-        if any(s.num_new_tokens != 1 or not s.sample or s.request.num_pending != 1 or _needs_single_step(s.request) for s in out.scheduled):
-            return
-        steps = self.config.num_scheduler_steps
-        for s in out.scheduled:
-            req = s.request
-            steps = min(steps, req.sampling.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens)
-        if steps < 2:
-            return
-        needed = sum(max(0, self.kv.num_blocks_for(s.request.num_computed_tokens + steps) - len(self.kv.block_table(s.request.request_id)))
-                     for s in out.scheduled)
-        if needed > self.kv.num_free_blocks():
-            return
-        for s in out.scheduled:
-            req = s.request
-            result = self.kv.append_slots(req.request_id, req.num_computed_tokens, steps)
-            assert not isinstance(result, NoFreeBlocks) and not result.copies, "reserved blocks were counted"
-            req.table_replaced |= bool(result.replaced)
-        out.step.num_steps = steps
-        self._resend_table_tails(out)
-
-    def _resend_table_tails(self, out: SchedulerOutput) -> None:
-        for seq, s in zip(out.step.seqs, out.scheduled):
-            self._diff_table(s.request, seq)
 
     def _diff_table(self, req: Request, seq: SeqStep) -> None:
         """Put into `seq` what the model side's copy of the table lacks. Tables only grow at
@@ -192,19 +150,25 @@ class Scheduler:
             first = len(sent)
         else:
             return
-        if seq.table_blocks is not None:  # already diffed this step (multi-step reserved more)
-            first = min(first, seq.table_start)
         seq.table_start, seq.table_blocks = first, table[first:]
         req.sent_table = list(table)
 
     def _finishes_by_length(self, req: Request) -> bool:
-        return req.num_output_tokens + req.num_pending >= req.sampling.max_tokens or req.num_tokens + req.num_pending >= self.config.max_model_len
+        return (
+            req.num_output_tokens + req.num_pending >= req.sampling.max_tokens
+            or req.num_tokens + req.num_pending >= self.config.max_model_len
+        )
 
     def _schedule_seq(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
         tokens = req.token_ids[start : start + num_new]
         if len(tokens) < num_new:  # the token sampled by the step in flight: fed on the device
-            assert len(tokens) + 1 == num_new and req.num_pending, (req.request_id, len(tokens), num_new, req.num_pending)
+            assert len(tokens) + 1 == num_new and req.num_pending, (
+                req.request_id,
+                len(tokens),
+                num_new,
+                req.num_pending,
+            )
             tokens.append(PLACEHOLDER)
         sample = start + num_new == req.num_tokens + req.num_pending
         if sample:
@@ -307,6 +271,6 @@ class Scheduler:
             req = s.request
             if req.finished:
                 continue
-            req.num_computed_tokens += s.num_new_tokens + out.step.num_steps - 1
+            req.num_computed_tokens += s.num_new_tokens
             # Steps still in flight may have fed tokens not read back yet: only known tokens hash.
             self.kv.cache_blocks(req.request_id, req.token_ids, min(req.num_computed_tokens, req.num_tokens))

@@ -36,27 +36,33 @@ from scheduler_svc.cli_args import UsageError, add_log_flags
 logger = logging.getLogger(__name__)
 
 # flag -> (section, key, type, help); flags override the environment and the YAML file. The
-# help gets the key's default from the default config appended (_default_text).
+# help gets the key's default from the default config appended (_default_text). A table, one
+# flag a line: not reformatted.
 FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--scheduler-addr": ("scheduler", "address", str, "the scheduler's public gRPC address, host:port"),
     "--kvcache-addr": ("kvcache", "address", str, "the KV-cache service's gRPC address (internal)"),
     "--model-addr": ("model", "address", str, "the model service's gRPC address (internal)"),
-    "--redis-url": ("kvcache", "redis_url", str, "Redis URL of the KV-cache metadata, e.g. redis://127.0.0.1:6379/0; one with a "
-                                               f"password goes in ${REDIS_URL_ENV} or --redis-url-file, never here"),
+    "--redis-url": ("kvcache", "redis_url", str, "Redis URL of the KV-cache metadata, e.g. redis://127.0.0.1:6379/0; "
+                    f"one with a password goes in ${REDIS_URL_ENV} or --redis-url-file, never here"),
     "--deployment": ("kvcache", "deployment", str, "namespace of the Redis keys"),
-    "--metrics-port": ("scheduler", "metrics_port", int, "HTTP port of the Prometheus /metrics, on the scheduler's host; 0 = off"),
+    "--metrics-port": ("scheduler", "metrics_port", int,
+                       "HTTP port of the Prometheus /metrics, on the scheduler's host; 0 = off"),
     "--max-waiting": ("scheduler", "max_waiting", int, "queued requests beyond this are refused (RESOURCE_EXHAUSTED)"),
     "--max-num-seqs": ("scheduler", "max_num_seqs", int, "sequences in one step at most"),
-    "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", int, "tokens in one step at most (prompt chunks included)"),
+    "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", int,
+                                 "tokens in one step at most (prompt chunks included)"),
     "--max-model-len": ("scheduler", "max_model_len", int, "prompt + output tokens of one request at most"),
-    "--preemption-mode": ("scheduler", "preemption_mode", str, "swap | recompute: what a preempted request does with its KV blocks"),
-    "--num-scheduler-steps": ("scheduler", "num_scheduler_steps", int, "decode steps per schedule (multi-step)"),
-    "--drain-timeout": ("scheduler", "drain_timeout_s", float, "on SIGTERM, seconds the in-flight requests may still run"),
-    "--dependency-timeout": ("scheduler", "dependency_timeout_s", float,
-                             "seconds a request may wait on an unreachable model or KV-cache service before it gets UNAVAILABLE"),
-    "--tls-cert": ("scheduler", "tls_cert", str, "PEM certificate chain: serve the public API over TLS (with --tls-key)"),
+    "--preemption-mode": ("scheduler", "preemption_mode", str,
+                          "swap | recompute: what a preempted request does with its KV blocks"),
+    "--drain-timeout": ("scheduler", "drain_timeout_s", float,
+                        "on SIGTERM, seconds the in-flight requests may still run"),
+    "--dependency-timeout": ("scheduler", "dependency_timeout_s", float, "seconds a request may wait on an unreachable "
+                             "model or KV-cache service before it gets UNAVAILABLE"),
+    "--tls-cert": ("scheduler", "tls_cert", str,
+                   "PEM certificate chain: serve the public API over TLS (with --tls-key)"),
     "--tls-key": ("scheduler", "tls_key", str, "PEM private key of --tls-cert"),
-    "--model": ("model", "model", str, "a local Hugging Face model directory, or a repo id already in the local Hugging Face cache; never downloaded"),
+    "--model": ("model", "model", str, "a local Hugging Face model directory, or a repo id already in the local "
+                "Hugging Face cache; never downloaded"),
     "--block-size": ("model", "block_size", int, "tokens per KV-cache block (a power of two)"),
     "--num-gpu-blocks": ("model", "num_gpu_blocks", int, "device KV pool size in blocks"),
     "--num-cpu-blocks": ("model", "num_cpu_blocks", int, "host (swap) KV pool size in blocks"),
@@ -67,24 +73,39 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--port": ("http", "port", int, "the HTTP gateway's port; 0: `serve all` starts no gateway"),
     "--served-model-name": ("http", "served_model_name", str, "the model's name in the HTTP API"),
     "--chat-template": ("http", "chat_template", str, "a Jinja chat template file, for a tokenizer without one"),
-}
+}  # fmt: skip
 # What a default of None means, where the help cannot just show the value.
 NONE_MEANS = {
-    "redis_url": "none, metadata in memory", "max_model_len": "the model's limit", "num_gpu_blocks": "measured from free memory",
-    "num_cpu_blocks": "1 GiB of blocks, at most 4x the device pool", "device": "cuda if available, else cpu",
-    "dtype": "bfloat16 on cuda, float32 on cpu", "torch_threads": "1 for a model under 100M parameters, else one per core",
-    "tls_cert": "none, plaintext", "tls_key": "none", "served_model_name": "the basename of the model directory",
+    "redis_url": "none, metadata in memory",
+    "max_model_len": "the model's limit",
+    "num_gpu_blocks": "measured from free memory",
+    "num_cpu_blocks": "1 GiB of blocks, at most 4x the device pool",
+    "device": "cuda if available, else cpu",
+    "dtype": "bfloat16 on cuda, float32 on cpu",
+    "torch_threads": "1 for a model under 100M parameters, else one per core",
+    "tls_cert": "none, plaintext",
+    "tls_key": "none",
+    "served_model_name": "the basename of the model directory",
     "chat_template": "the tokenizer's",
 }
 # Files of secrets: flag -> (environment variable, help). The variable itself, or VAR_FILE
 # naming a file, works as well; the flag wins.
 SECRET_FILES: dict[str, tuple[str, str]] = {
-    "--redis-url-file": (REDIS_URL_ENV, "a file holding the Redis URL, which may carry a password "
-                                        "(default: $PICOVLLM_REDIS_URL, else the KV metadata stays in memory)"),
-    "--internal-token-file": (INTERNAL_TOKEN_ENV, "a file holding the internal token, the same for the three services "
-                                                  "(default: $PICOVLLM_INTERNAL_TOKEN; `serve all` makes one per launch)"),
-    "--api-key-file": (API_KEY_ENV, "a file holding the API key the public API then requires as 'authorization: Bearer <key>' "
-                                    "(default: $PICOVLLM_API_KEY, else no key)"),
+    "--redis-url-file": (
+        REDIS_URL_ENV,
+        "a file holding the Redis URL, which may carry a password "
+        "(default: $PICOVLLM_REDIS_URL, else the KV metadata stays in memory)",
+    ),
+    "--internal-token-file": (
+        INTERNAL_TOKEN_ENV,
+        "a file holding the internal token, the same for the three services "
+        "(default: $PICOVLLM_INTERNAL_TOKEN; `serve all` makes one per launch)",
+    ),
+    "--api-key-file": (
+        API_KEY_ENV,
+        "a file holding the API key the public API then requires as 'authorization: Bearer <key>' "
+        "(default: $PICOVLLM_API_KEY, else no key)",
+    ),
 }
 SECRET_VARS = tuple(v for var, _ in SECRET_FILES.values() for v in (var, f"{var}_FILE"))
 KINDS = ("scheduler", "kvcache", "model", "http", "all")
@@ -95,30 +116,54 @@ def _default_text(section: str, key: str) -> str:
     from contracts.service_config import BUNDLED_MODEL, ServiceConfig
 
     value = getattr(getattr(ServiceConfig(), section), key)
-    shown = "the bundled stories260k" if value == BUNDLED_MODEL else NONE_MEANS.get(key, "none") if value is None else value
+    shown = (
+        "the bundled stories260k" if value == BUNDLED_MODEL else NONE_MEANS.get(key, "none") if value is None else value
+    )
     return f"(default: {shown}; config key {section}.{key})"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve", help="run a gRPC service (scheduler, kvcache, model), the HTTP gateway, or all",
-                              description="Run a gRPC service, the OpenAI-compatible HTTP gateway, or all four as processes on "
-                                          "this machine. Settings come from the "
-                                          "defaults shown, then --config (or $PICOVLLM_CONFIG), then PICOVLLM_* variables, then flags.")
+    p = subparsers.add_parser(
+        "serve",
+        help="run a gRPC service (scheduler, kvcache, model), the HTTP gateway, or all",
+        description="Run a gRPC service, the OpenAI-compatible HTTP gateway, or all four as processes on "
+        "this machine. Settings come from the "
+        "defaults shown, then --config (or $PICOVLLM_CONFIG), then PICOVLLM_* variables, then flags.",
+    )
     p.add_argument("kind", choices=KINDS, help="which service; 'all' runs them all as processes on this machine")
-    p.add_argument("--config", default=None, help="YAML file with scheduler/kvcache/model sections (default: $PICOVLLM_CONFIG, else none)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML file with scheduler/kvcache/model sections (default: $PICOVLLM_CONFIG, else none)",
+    )
     for flag, (section, key, typ, text) in FLAGS.items():
         p.add_argument(flag, type=typ, default=None, help=f"{text} {_default_text(section, key)}")
-    p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (default: on; config key scheduler.enable_prefix_caching)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="pipeline the model steps, two ahead (default: on when the model service runs on a GPU; "
-                        "config key scheduler.async_scheduling)")
-    p.add_argument("--listen", default=None,
-                   help="bind this address instead of the service's own, e.g. 0.0.0.0:50052 in a container (default: the service's address)")
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="turn prefix caching off (default: on; config key scheduler.enable_prefix_caching)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pipeline the model steps, two ahead (default: on when the model service runs on a GPU; "
+        "config key scheduler.async_scheduling)",
+    )
+    p.add_argument(
+        "--listen",
+        default=None,
+        help="bind this address instead of the service's own, e.g. 0.0.0.0:50052 in a container "
+        "(default: the service's address)",
+    )
     for flag, (_, text) in SECRET_FILES.items():
         p.add_argument(flag, default=None, metavar="FILE", help=text)
-    p.add_argument("--insecure-no-auth", action="store_true",
-                   help="let the internal services run without the internal token: anyone who reaches them can read and "
-                        "corrupt other users' state (default: off; docs/SECURITY.md)")
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="let the internal services run without the internal token: anyone who reaches them can read and "
+        "corrupt other users' state (default: off; docs/SECURITY.md)",
+    )
     add_log_flags(p)
     p.set_defaults(func=cmd_serve)
 
@@ -130,8 +175,10 @@ def config_from_args(args: argparse.Namespace):
     for flag, (section, key, _, _) in FLAGS.items():
         overrides[section][key] = getattr(args, flag[2:].replace("-", "_"))
     if url_has_credentials(args.redis_url):
-        raise ValueError(f"--redis-url carries a password, which every local user can read in the process list: "
-                         f"put the URL in ${REDIS_URL_ENV} or a file (--redis-url-file FILE)")
+        raise ValueError(
+            f"--redis-url carries a password, which every local user can read in the process list: "
+            f"put the URL in ${REDIS_URL_ENV} or a file (--redis-url-file FILE)"
+        )
     if args.redis_url_file:
         overrides["kvcache"]["redis_url"] = read_secret(REDIS_URL_ENV, args.redis_url_file, check=False)
     if args.no_prefix_caching:
@@ -191,11 +238,15 @@ def child_env(kind: str, config, creds: Credentials) -> dict[str, str]:
 
 def credentials_from_args(args: argparse.Namespace) -> Credentials:
     """The internal token and API key of `args.kind` (SecretError: unreadable or unusable)."""
-    token = None if args.kind == "http" else read_secret(INTERNAL_TOKEN_ENV, args.internal_token_file)  # public API only
+    token = (
+        None if args.kind == "http" else read_secret(INTERNAL_TOKEN_ENV, args.internal_token_file)
+    )  # public API only
     if token is None and not args.insecure_no_auth and args.kind != "http":
         if args.kind != "all":
-            raise UsageError(f"{args.kind} service: no internal token: set ${INTERNAL_TOKEN_ENV} or --internal-token-file FILE "
-                             f"(the same for the three services), or --insecure-no-auth to run without one")
+            raise UsageError(
+                f"{args.kind} service: no internal token: set ${INTERNAL_TOKEN_ENV} or --internal-token-file FILE "
+                f"(the same for the three services), or --insecure-no-auth to run without one"
+            )
         token = secrets.token_urlsafe(32)  # this launch's: the children get it by environment
     api_key = read_secret(API_KEY_ENV, args.api_key_file) if args.kind in ("scheduler", "http", "all") else None
     return Credentials(token, api_key)
@@ -273,7 +324,7 @@ def _addresses(config) -> dict[str, str]:
 def _dial(address: str) -> str:
     """An address to connect to for one a server listens on (a wildcard host: loopback)."""
     host, _, port = address.rpartition(":")
-    return f"{ {'0.0.0.0': '127.0.0.1', '[::]': '[::1]'}.get(host, host)}:{port}"
+    return f"{ {'0.0.0.0': '127.0.0.1', '[::]': '[::1]'}.get(host, host) }:{port}"
 
 
 def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
@@ -290,8 +341,11 @@ def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
         tls_root = _read(config.scheduler.tls_cert)  # its own certificate: trusted by the readiness check
     except OSError as exc:
         raise UsageError(f"cannot read {exc.filename}: {exc.strerror}") from None
-    children = {kind: subprocess.Popen(child_argv(args, kind), env=child_env(kind, config, creds), preexec_fn=_die_with_parent)
-                for kind in CHILDREN if kind != "http" or "http" in addresses}
+    children = {
+        kind: subprocess.Popen(child_argv(args, kind), env=child_env(kind, config, creds), preexec_fn=_die_with_parent)
+        for kind in CHILDREN
+        if kind != "http" or "http" in addresses
+    }
     stopping = False
 
     def on_signal(signum, frame) -> None:
@@ -307,15 +361,22 @@ def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
             kind, code = exited[0]
             if code != 2:  # 2: the child has said why in its one line
                 when = "" if ready else " while starting"
-                print(f"picovllm: error: the {kind} service exited{when} (status {code}); stopping the others", file=sys.stderr)
+                print(
+                    f"picovllm: error: the {kind} service exited{when} (status {code}); stopping the others",
+                    file=sys.stderr,
+                )
             code = code if code > 0 else 1
             break
-        if not ready and all(_child_ready(k, _dial(addresses[k]), tls_root) for k in reversed(CHILDREN) if k in children):
+        if not ready and all(
+            _child_ready(k, _dial(addresses[k]), tls_root) for k in reversed(CHILDREN) if k in children
+        ):
             ready = True
             metrics = f", metrics http://{addresses['metrics']}/metrics" if "metrics" in addresses else ""
             gateway = f"HTTP API (OpenAI-compatible) http://{addresses['http']}/v1; " if "http" in addresses else ""
-            announce(f"ready: {gateway}scheduler gRPC {addresses['scheduler']}{metrics}; kvcache gRPC {addresses['kvcache']}; "
-                     f"model gRPC {addresses['model']}")
+            announce(
+                f"ready: {gateway}scheduler gRPC {addresses['scheduler']}{metrics}; "
+                f"kvcache gRPC {addresses['kvcache']}; model gRPC {addresses['model']}"
+            )
         time.sleep(0.2)
     # The gateway first (its requests in flight finish), then the scheduler drains while its
     # peers still run.

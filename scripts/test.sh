@@ -19,5 +19,10 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 
 python3 -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|grpcio|protobuf|redis|locust) ' | tr -s ' ' | paste -sd ';' | sed 's/^/versions: /'
+# The whole suite (no arguments, as CI runs it) type-checks the product packages first
+# (pyproject.toml's [tool.mypy]); ruff's check and format run inside it (tests/test_style.py).
+if [ "$#" -eq 0 ]; then
+  python3 -m mypy
+fi
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 python3 -m pytest -q "$@"

@@ -26,8 +26,14 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def run_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "scheduler_svc.cli", *argv], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "scheduler_svc.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture
@@ -49,8 +55,11 @@ def test_version():
     assert re.fullmatch(r"picovllm \S+", proc.stdout.strip()), proc.stdout
 
 
-@pytest.mark.parametrize("argv", [[], ["generate"], ["serve"], ["client"], ["bench"], ["bench", "experiments"], ["bench", "throughput"]],
-                         ids=lambda a: " ".join(a) or "picovllm")
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["generate"], ["serve"], ["client"], ["bench"], ["bench", "experiments"], ["bench", "throughput"]],
+    ids=lambda a: " ".join(a) or "picovllm",
+)
 def test_help_of_every_subcommand(argv):
     proc = run_cli(*argv, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -77,7 +86,9 @@ def test_every_flag_has_help_that_states_its_default():
             name = "/".join(action.option_strings) or action.dest
             assert action.help and action.help.strip() and action.help != argparse.SUPPRESS, f"{prog} {name}: no help"
             if action.option_strings:
-                assert "default" in formatter._get_help_string(action), f"{prog} {name}: the help does not state the default"
+                assert "default" in formatter._get_help_string(action), (
+                    f"{prog} {name}: the help does not state the default"
+                )
             seen += 1
     assert seen > 60  # every subcommand was walked
 
@@ -88,15 +99,18 @@ def test_serve_help_shows_the_default_ports():
         assert text in out
 
 
-@pytest.mark.parametrize("argv, verbose, level", [
-    (["serve", "all"], False, None),
-    (["-v", "serve", "all"], True, None),
-    (["serve", "all", "-v"], True, None),
-    (["serve", "model", "--log-level", "debug"], False, "DEBUG"),
-    (["--log-level", "error", "generate", "x"], False, "ERROR"),
-    (["client", "x", "--verbose"], True, None),
-    (["bench", "experiments", "-v"], True, None),
-])
+@pytest.mark.parametrize(
+    "argv, verbose, level",
+    [
+        (["serve", "all"], False, None),
+        (["-v", "serve", "all"], True, None),
+        (["serve", "all", "-v"], True, None),
+        (["serve", "model", "--log-level", "debug"], False, "DEBUG"),
+        (["--log-level", "error", "generate", "x"], False, "ERROR"),
+        (["client", "x", "--verbose"], True, None),
+        (["bench", "experiments", "-v"], True, None),
+    ],
+)
 def test_log_flags_before_or_after_the_subcommand(argv, verbose, level):
     args = build_parser().parse_args(argv)
     assert (args.verbose, args.log_level) == (verbose, level)
@@ -117,7 +131,10 @@ def test_temperature_defaults_are_documented():
 # ------------------------------------------------------------------ --model as a repo id
 def test_repo_id_not_in_the_cache_is_one_line(tmp_path):
     env = {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    for argv in (["generate", "x", "--model", "acme/not-downloaded"], ["serve", "model", "--model", "acme/not-downloaded"]):
+    for argv in (
+        ["generate", "x", "--model", "acme/not-downloaded"],
+        ["serve", "model", "--model", "acme/not-downloaded"],
+    ):
         proc = run_cli(*argv, env=env)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
@@ -140,8 +157,17 @@ def test_repo_id_in_the_cache_resolves_offline(hf_cache, monkeypatch):
 
 
 def test_generate_with_a_cached_repo_id(hf_cache):
-    proc = run_cli("generate", "Once upon a time", "--model", REPO_ID, "--max-tokens", "8", "--device", "cpu",
-                   env={"HF_HUB_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1"})
+    proc = run_cli(
+        "generate",
+        "Once upon a time",
+        "--model",
+        REPO_ID,
+        "--max-tokens",
+        "8",
+        "--device",
+        "cpu",
+        env={"HF_HUB_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Once upon a time, there was a little girl")
 
@@ -157,7 +183,9 @@ def test_bench_experiments_without_matplotlib_fails_before_any_work(tmp_path, mo
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a)
+    )
     out = tmp_path / "report"
     assert cli_main(["bench", "experiments", "--out", str(out), "--only", "memory"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -119,15 +119,23 @@ def test_services_and_contracts_stay_in_their_layer():
 
 
 def test_no_product_module_imports_unpackaged_folders():
-    wrong = [f"{MODULES[name].relative_to(REPO)}:{line}: {imported}"
-             for name, imports in GRAPH.items() for line, imported in imports if imported.split(".")[0] in UNPACKAGED]
+    wrong = [
+        f"{MODULES[name].relative_to(REPO)}:{line}: {imported}"
+        for name, imports in GRAPH.items()
+        for line, imported in imports
+        if imported.split(".")[0] in UNPACKAGED
+    ]
     assert not wrong, "product code importing what is not installed:\n" + "\n".join(wrong)
 
 
 def test_torch_free_layers_never_name_torch():
-    wrong = [f"{MODULES[name].relative_to(REPO)}:{line}: {imported}"
-             for name, imports in GRAPH.items() if name.split(".")[0] in TORCH_FREE
-             for line, imported in imports if imported.split(".")[0] in TORCH]
+    wrong = [
+        f"{MODULES[name].relative_to(REPO)}:{line}: {imported}"
+        for name, imports in GRAPH.items()
+        if name.split(".")[0] in TORCH_FREE
+        for line, imported in imports
+        if imported.split(".")[0] in TORCH
+    ]
     assert not wrong, "torch in a layer the scheduler process imports:\n" + "\n".join(wrong)
 
 
@@ -175,7 +183,10 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycles():
-    edges = {name: {t for _, imported in imports if (t := _product_target(imported)) is not None} for name, imports in GRAPH.items()}
+    edges = {
+        name: {t for _, imported in imports if (t := _product_target(imported)) is not None}
+        for name, imports in GRAPH.items()
+    }
     cycles = _cycles(edges)
     assert not cycles, "modules that import each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 

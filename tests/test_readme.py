@@ -57,7 +57,11 @@ def server(tmp_path_factory):
         if not started:
             from tests.http.conftest import ServeAll
 
-            started.append(ServeAll(tmp_path_factory.mktemp("readme-server"), ["--num-gpu-blocks", "128", "--num-cpu-blocks", "16"]))
+            started.append(
+                ServeAll(
+                    tmp_path_factory.mktemp("readme-server"), ["--num-gpu-blocks", "128", "--num-cpu-blocks", "16"]
+                )
+            )
         return started[0]
 
     yield get
@@ -82,9 +86,7 @@ def test_relative_links_resolve(path):
     for target in relative_links(path):
         file_part, _, fragment = target.partition("#")
         dest = (path.parent / file_part).resolve() if file_part else path
-        if not dest.exists():
-            broken.append(target)
-        elif fragment and dest.suffix == ".md" and fragment not in heading_anchors(dest):
+        if not dest.exists() or fragment and dest.suffix == ".md" and fragment not in heading_anchors(dest):
             broken.append(target)
     assert not broken, f"{path.relative_to(ROOT)}: broken links {broken}"
 

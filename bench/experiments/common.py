@@ -14,8 +14,14 @@ def lognormal_lengths(rng: np.random.Generator, n: int, median: float, sigma: fl
     return np.clip(np.round(rng.lognormal(math.log(median), sigma, n)), lo, hi).astype(int)
 
 
-def make_workload(n: int, max_model_len: int, vocab_size: int, seed: int = 0, prompt_median: float | None = None,
-                  output_median: float | None = None) -> tuple[list[list[int]], list[int]]:
+def make_workload(
+    n: int,
+    max_model_len: int,
+    vocab_size: int,
+    seed: int = 0,
+    prompt_median: float | None = None,
+    output_median: float | None = None,
+) -> tuple[list[list[int]], list[int]]:
     """n random-token prompts and their output lengths; prompt + output <= max_model_len.
 
     Defaults scale a chat-like distribution to the context: prompt median max_model_len / 8
@@ -37,23 +43,46 @@ def sampling(max_tokens: int):
     return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
 
 
-def build_engine(model: str | None = None, device: str = "cpu", *, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
-                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, dtype: str | None = None):
+def build_engine(
+    model: str | None = None,
+    device: str = "cpu",
+    *,
+    num_gpu_blocks: int | None = None,
+    num_cpu_blocks: int | None = None,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    dtype: str | None = None,
+):
     """An LLMEngine in this process: the bundled model (model None or "bundled"), a named
     random-weight config ("qwen3-0.6b", "tiny"), or a local model directory. Token-id prompts only."""
     from contracts.service_config import BUNDLED_MODEL
     from scheduler_svc.config import EngineConfig
     from scheduler_svc.engine import LLMEngine
 
-    common = dict(device=device, block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, dtype=dtype,
-                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, skip_tokenizer_init=True)
+    common = dict(
+        device=device,
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        skip_tokenizer_init=True,
+    )
     if model in (None, "", "bundled", BUNDLED_MODEL):
         return LLMEngine(EngineConfig(model=BUNDLED_MODEL, **common))
     from bench.common import build_runner
 
     path, runner = build_runner(
-        model, device, dtype, block_size=block_size, num_device_blocks=num_gpu_blocks, num_host_blocks=num_cpu_blocks or 0,
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        model,
+        device,
+        dtype,
+        block_size=block_size,
+        num_device_blocks=num_gpu_blocks,
+        num_host_blocks=num_cpu_blocks or 0,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
     )
     return LLMEngine(EngineConfig(model=path, **common), model=runner)
 

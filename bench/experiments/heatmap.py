@@ -28,7 +28,9 @@ def analyze(trace) -> dict:
     # (or a decode resuming after a swap). Count the distinct write runs per block.
     runs = (touched[1:] & ~touched[:-1]).sum(axis=0) + touched[0]
     return {
-        "steps": int(m.shape[0]), "num_blocks": int(m.shape[1]), "block_size": trace.block_size,
+        "steps": int(m.shape[0]),
+        "num_blocks": int(m.shape[1]),
+        "block_size": trace.block_size,
         "tokens_written": int(m.sum()),
         "blocks_ever_written": int(touched.any(axis=0).sum()),
         "blocks_written_per_step_mean": float(touched.sum(axis=1).mean()) if m.size else 0.0,
@@ -38,18 +40,39 @@ def analyze(trace) -> dict:
     }
 
 
-def run(out_dir, *, num_requests: int = 160, num_gpu_blocks: int = 256, seed: int = 0, device: str = "cpu", env: dict | None = None,
-        trace=None) -> dict:
+def run(
+    out_dir,
+    *,
+    num_requests: int = 160,
+    num_gpu_blocks: int = 256,
+    seed: int = 0,
+    device: str = "cpu",
+    env: dict | None = None,
+    trace=None,
+) -> dict:
     """Writes heatmap.json and heatmap.png; reuses `trace` from the memory run when given."""
     from bench.experiments import plots
     from bench.experiments.memory import record_run
 
     if trace is None:
-        engine = build_engine(None, device, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=4 * num_gpu_blocks, max_num_seqs=256,
-                              max_num_batched_tokens=2048)
+        engine = build_engine(
+            None,
+            device,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=4 * num_gpu_blocks,
+            max_num_seqs=256,
+            max_num_batched_tokens=2048,
+        )
         prompts, output_lens = make_workload(num_requests, engine.max_model_len, engine.model_config.vocab_size, seed)
         trace = record_run(engine, prompts, output_lens)
-    result = {"experiment": "heatmap", "model": model_label(None), "device": device, "seed": seed, "environment": env or {}, **analyze(trace)}
+    result = {
+        "experiment": "heatmap",
+        "model": model_label(None),
+        "device": device,
+        "seed": seed,
+        "environment": env or {},
+        **analyze(trace),
+    }
     plots.write_json(out_dir, "heatmap", result)
     plots.plot_heatmap(matrix(trace), result, out_dir)
     return result

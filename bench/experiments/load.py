@@ -66,18 +66,34 @@ def serve(engine, prompts, output_lens, arrivals, device: str = "cpu") -> dict:
         "e2e": {"mean": mean(e2e), "p50": pct(e2e, 50), "p99": pct(e2e, 99)},
         "ttft": {"mean": mean(ttft), "p50": pct(ttft, 50), "p99": pct(ttft, 99)},
         "itl": {"mean": mean(gaps), "p50": pct(gaps, 50), "p99": pct(gaps, 99)},
-        "achieved_rps": len(e2e) / span, "output_tok_s": sum(ntok.values()) / span, "duration_s": span,
+        "achieved_rps": len(e2e) / span,
+        "output_tok_s": sum(ntok.values()) / span,
+        "duration_s": span,
     }
 
 
-def run(out_dir, *, model: str | None = None, device: str = "cpu", num_requests: int | None = None, seed: int = 0,
-        env: dict | None = None, rate_fractions=RATE_FRACTIONS, num_gpu_blocks: int | None = None) -> dict:
+def run(
+    out_dir,
+    *,
+    model: str | None = None,
+    device: str = "cpu",
+    num_requests: int | None = None,
+    seed: int = 0,
+    env: dict | None = None,
+    rate_fractions=RATE_FRACTIONS,
+    num_gpu_blocks: int | None = None,
+) -> dict:
     from bench.experiments import plots
 
     on_gpu = str(device).startswith("cuda")
     num_requests = num_requests or (256 if on_gpu else 48)
-    engine = build_engine(model, device, num_gpu_blocks=num_gpu_blocks or (None if on_gpu else 512), max_num_seqs=256,
-                          max_num_batched_tokens=4096 if on_gpu else 1024)
+    engine = build_engine(
+        model,
+        device,
+        num_gpu_blocks=num_gpu_blocks or (None if on_gpu else 512),
+        max_num_seqs=256,
+        max_num_batched_tokens=4096 if on_gpu else 1024,
+    )
     max_len = min(engine.max_model_len, 1024 if on_gpu else 256)
     prompts, output_lens = make_workload(num_requests, max_len, engine.model_config.vocab_size, seed)
     serve(engine, prompts[:4], [4] * 4, np.zeros(4), device)  # warm-up
@@ -93,13 +109,23 @@ def run(out_dir, *, model: str | None = None, device: str = "cpu", num_requests:
         point = serve(engine, prompts, output_lens, arrivals, device)
         points.append({"rate_fraction": frac, "rate_rps": rate, **point})
         bar.update()
-        bar.write(f"  load: {rate:7.2f} req/s offered -> {point['achieved_rps']:.2f} done/s, e2e mean {point['e2e']['mean'] * 1e3:.0f} ms, "
-              f"p99 {point['e2e']['p99'] * 1e3:.0f} ms, ttft {point['ttft']['mean'] * 1e3:.0f} ms, itl {point['itl']['mean'] * 1e3:.1f} ms",
-              file=sys.stdout)
+        bar.write(
+            f"  load: {rate:7.2f} req/s offered -> {point['achieved_rps']:.2f} done/s, e2e mean "
+            f"{point['e2e']['mean'] * 1e3:.0f} ms, "
+            f"p99 {point['e2e']['p99'] * 1e3:.0f} ms, ttft {point['ttft']['mean'] * 1e3:.0f} ms, itl "
+            f"{point['itl']['mean'] * 1e3:.1f} ms",
+            file=sys.stdout,
+        )
     bar.close()
     result = {
-        "experiment": "load", "model": model_label(model), "device": str(device), "seed": seed, "environment": env or {},
-        "num_requests": num_requests, "max_len": max_len, "capacity_rps": capacity,
+        "experiment": "load",
+        "model": model_label(model),
+        "device": str(device),
+        "seed": seed,
+        "environment": env or {},
+        "num_requests": num_requests,
+        "max_len": max_len,
+        "capacity_rps": capacity,
         "workload": {"prompt_len_mean": mean([len(p) for p in prompts]), "output_len_mean": mean(output_lens)},
         "points": points,
     }

@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.experiments.common import build_engine, make_workload, mean, model_label, num_finished, pct, progress, sampling
+from bench.experiments.common import (
+    build_engine,
+    make_workload,
+    mean,
+    model_label,
+    num_finished,
+    pct,
+    progress,
+    sampling,
+)
 
 
 @dataclass
@@ -50,8 +59,12 @@ def record_run(engine, prompts: list[list[int]], output_lens: list[int]) -> Trac
     kv, sched = engine.kv, engine.scheduler
     cfg = engine.model_config
     dtype_bytes = getattr(getattr(engine.model, "dtype", None), "itemsize", 4)
-    trace = Trace(kv.block_size, kv.device.num_blocks, engine.max_model_len,
-                  cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes)
+    trace = Trace(
+        kv.block_size,
+        kv.device.num_blocks,
+        engine.max_model_len,
+        cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes,
+    )
     bs = kv.block_size
     pending: dict[str, object] = {}
 
@@ -136,43 +149,88 @@ def analyze(trace: Trace, prompt_lens: list[int], output_lens: list[int]) -> dic
     exact_bytes = [n * per_tok for n in trace.final_tokens.values()]
     contig_bytes = [L * per_tok] * len(trace.final_tokens)
     return {
-        "kv_budget": {"blocks": trace.num_blocks, "block_size": bs, "tokens": budget_tokens, "bytes": budget_tokens * per_tok,
-                      "kv_bytes_per_token": per_tok, "max_model_len": L},
-        "workload": {"num_requests": len(prompt_lens), "prompt_len_mean": mean(prompt_lens), "prompt_len_p95": pct(prompt_lens, 95),
-                     "output_len_mean": mean(output_lens), "output_len_p95": pct(output_lens, 95),
-                     "total_len_mean": mean(np.add(prompt_lens, output_lens)), "total_len_p95": pct(np.add(prompt_lens, output_lens), 95)},
-        "admitted": {"paged_peak": int(max(trace.running, default=0)), "paged_mean_under_load": mean(loaded),
-                     "contiguous": int(contiguous_admitted)},
+        "kv_budget": {
+            "blocks": trace.num_blocks,
+            "block_size": bs,
+            "tokens": budget_tokens,
+            "bytes": budget_tokens * per_tok,
+            "kv_bytes_per_token": per_tok,
+            "max_model_len": L,
+        },
+        "workload": {
+            "num_requests": len(prompt_lens),
+            "prompt_len_mean": mean(prompt_lens),
+            "prompt_len_p95": pct(prompt_lens, 95),
+            "output_len_mean": mean(output_lens),
+            "output_len_p95": pct(output_lens, 95),
+            "total_len_mean": mean(np.add(prompt_lens, output_lens)),
+            "total_len_p95": pct(np.add(prompt_lens, output_lens), 95),
+        },
+        "admitted": {
+            "paged_peak": int(max(trace.running, default=0)),
+            "paged_mean_under_load": mean(loaded),
+            "contiguous": int(contiguous_admitted),
+        },
         "kv_bytes_per_request": {
             "paged": {"mean": mean(paged_bytes), "p95": pct(paged_bytes, 95)},
             "contiguous": {"mean": mean(contig_bytes), "p95": pct(contig_bytes, 95)},
             "exact_tokens": {"mean": mean(exact_bytes), "p95": pct(exact_bytes, 95)},
         },
         "fragmentation": {
-            "paged_mean": float(np.nanmean(frag_paged)), "paged_max": float(np.nanmax(frag_paged)),
-            "contiguous_mean": float(np.nanmean(frag_contig)), "contiguous_max": float(np.nanmax(frag_contig)),
+            "paged_mean": float(np.nanmean(frag_paged)),
+            "paged_max": float(np.nanmax(frag_paged)),
+            "contiguous_mean": float(np.nanmean(frag_contig)),
+            "contiguous_max": float(np.nanmax(frag_contig)),
             "paged_per_step": [round(float(x), 4) for x in frag_paged],
             "contiguous_per_step": [round(float(x), 4) for x in frag_contig],
         },
-        "per_step": {"running": trace.running, "waiting": trace.waiting, "swapped": trace.swapped,
-                     "used_slots": trace.used_slots, "allocated_blocks": trace.allocated_blocks},
-        "steps": {"paged_measured": len(trace.running), "contiguous_simulated": simulate_contiguous(prompt_lens, output_lens, contiguous_admitted)},
+        "per_step": {
+            "running": trace.running,
+            "waiting": trace.waiting,
+            "swapped": trace.swapped,
+            "used_slots": trace.used_slots,
+            "allocated_blocks": trace.allocated_blocks,
+        },
+        "steps": {
+            "paged_measured": len(trace.running),
+            "contiguous_simulated": simulate_contiguous(prompt_lens, output_lens, contiguous_admitted),
+        },
         "num_preemptions": trace.num_preemptions,
         "wall_s": round(trace.wall_s, 2),
     }
 
 
-def run(out_dir, *, num_requests: int = 160, num_gpu_blocks: int = 256, seed: int = 0, device: str = "cpu", env: dict | None = None,
-        return_trace: bool = False):
+def run(
+    out_dir,
+    *,
+    num_requests: int = 160,
+    num_gpu_blocks: int = 256,
+    seed: int = 0,
+    device: str = "cpu",
+    env: dict | None = None,
+    return_trace: bool = False,
+):
     """The memory experiment on the bundled model (the CPU); writes memory.json and memory.png."""
     from bench.experiments import plots
 
-    engine = build_engine(None, device, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=4 * num_gpu_blocks, max_num_seqs=256,
-                          max_num_batched_tokens=2048)
+    engine = build_engine(
+        None,
+        device,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=4 * num_gpu_blocks,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+    )
     prompts, output_lens = make_workload(num_requests, engine.max_model_len, engine.model_config.vocab_size, seed)
     trace = record_run(engine, prompts, output_lens)
-    result = {"experiment": "memory", "model": model_label(None), "device": device, "seed": seed, "environment": env or {},
-              **analyze(trace, [len(p) for p in prompts], output_lens)}
+    result = {
+        "experiment": "memory",
+        "model": model_label(None),
+        "device": device,
+        "seed": seed,
+        "environment": env or {},
+        **analyze(trace, [len(p) for p in prompts], output_lens),
+    }
     plots.write_json(out_dir, "memory", result)
     plots.plot_memory(result, out_dir)
     return (result, trace) if return_trace else result

@@ -44,8 +44,10 @@ def _save(fig, out_dir, name: str) -> Path:
 def plot_memory(r: dict, out_dir) -> Path:
     budget, adm, frag = r["kv_budget"], r["admitted"], r["fragmentation"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6), gridspec_kw={"width_ratios": [1, 2.2, 1.2]})
-    fig.suptitle(f"Paged vs contiguous KV cache - {r['model']}, budget {budget['blocks']} blocks x {budget['block_size']} = "
-                 f"{budget['tokens']} tokens, max_model_len {budget['max_model_len']}, {r['workload']['num_requests']} requests")
+    fig.suptitle(
+        f"Paged vs contiguous KV cache - {r['model']}, budget {budget['blocks']} blocks x {budget['block_size']} = "
+        f"{budget['tokens']} tokens, max_model_len {budget['max_model_len']}, {r['workload']['num_requests']} requests"
+    )
 
     ax = axes[0]
     labels = ["paged\n(peak)", "paged\n(mean, queue\nnon-empty)", "contiguous"]
@@ -59,7 +61,9 @@ def plot_memory(r: dict, out_dir) -> Path:
     ax = axes[1]
     steps = np.arange(len(frag["paged_per_step"]))
     nan = lambda xs: [np.nan if x is None else x for x in xs]  # noqa: E731
-    ax.plot(steps, nan(frag["contiguous_per_step"]), color=CONTIG, label=f"contiguous (mean {frag['contiguous_mean']:.1%})")
+    ax.plot(
+        steps, nan(frag["contiguous_per_step"]), color=CONTIG, label=f"contiguous (mean {frag['contiguous_mean']:.1%})"
+    )
     ax.plot(steps, nan(frag["paged_per_step"]), color=PAGED, label=f"paged (mean {frag['paged_mean']:.1%})")
     ax.set_ylim(0, 1)
     ax.set_xlabel("engine step")
@@ -74,7 +78,11 @@ def plot_memory(r: dict, out_dir) -> Path:
 
     ax = axes[2]
     b = r["kv_bytes_per_request"]
-    kinds = [("exact_tokens", "exact tokens", "#999999"), ("paged", "paged", PAGED), ("contiguous", "contiguous", CONTIG)]
+    kinds = [
+        ("exact_tokens", "exact tokens", "#999999"),
+        ("paged", "paged", PAGED),
+        ("contiguous", "contiguous", CONTIG),
+    ]
     x = np.arange(2)
     for i, (key, label, color) in enumerate(kinds):
         vals = [b[key]["mean"] / 1024, b[key]["p95"] / 1024]
@@ -94,16 +102,24 @@ def plot_heatmap(m: np.ndarray, r: dict, out_dir) -> Path:
     # At least one pixel row per step, so single-token decode writes are not dropped.
     fig, ax = plt.subplots(figsize=(11, max(7.0, 1.15 * m.shape[0] / 100)), dpi=100)
     cmap = plt.get_cmap("viridis").with_extremes(bad="white")
-    im = ax.imshow(np.ma.masked_equal(m, 0), aspect="auto", origin="lower", interpolation="nearest", cmap=cmap,
-                   norm=LogNorm(vmin=1, vmax=max(2, r["block_size"])))
+    im = ax.imshow(
+        np.ma.masked_equal(m, 0),
+        aspect="auto",
+        origin="lower",
+        interpolation="nearest",
+        cmap=cmap,
+        norm=LogNorm(vmin=1, vmax=max(2, r["block_size"])),
+    )
     cb = fig.colorbar(im, ax=ax, fraction=0.04)
     cb.set_label("tokens written into the block in the step (log; white = none)")
     ticks = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= max(2, r["block_size"])]
     cb.set_ticks(ticks, labels=[str(t) for t in ticks])
     ax.set_xlabel("physical block id")
     ax.set_ylabel("engine step")
-    ax.set_title(f"Tokens written per physical block per step - {r['model']}, {r['num_blocks']} blocks of {r['block_size']}, "
-                 f"{r['tokens_written']} tokens in {r['steps']} steps")
+    ax.set_title(
+        f"Tokens written per physical block per step - {r['model']}, {r['num_blocks']} blocks of {r['block_size']}, "
+        f"{r['tokens_written']} tokens in {r['steps']} steps"
+    )
     fig.tight_layout()
     return _save(fig, out_dir, "heatmap")
 
@@ -112,9 +128,16 @@ def plot_load(r: dict, out_dir) -> Path:
     pts = r["points"]
     rate = [p["rate_rps"] for p in pts]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.3))
-    fig.suptitle(f"Throughput vs latency, Poisson arrivals - {r['model']} on {r['device']}, {r['num_requests']} requests per rate "
-                 f"(saturated capacity {r['capacity_rps']:.1f} req/s)")
-    for ax, key, title in ((axes[0], "e2e", "End-to-end latency"), (axes[1], "ttft", "Time to first token"), (axes[2], "itl", "Inter-token latency")):
+    fig.suptitle(
+        f"Throughput vs latency, Poisson arrivals - {r['model']} on {r['device']}, {r['num_requests']} requests per "
+        "rate "
+        f"(saturated capacity {r['capacity_rps']:.1f} req/s)"
+    )
+    for ax, key, title in (
+        (axes[0], "e2e", "End-to-end latency"),
+        (axes[1], "ttft", "Time to first token"),
+        (axes[2], "itl", "Inter-token latency"),
+    ):
         ax.plot(rate, [p[key]["mean"] * 1e3 for p in pts], "o-", label="mean")
         ax.plot(rate, [p[key]["p99"] * 1e3 for p in pts], "s--", label="p99")
         ax.set_xlabel("offered request rate (req/s)")
@@ -141,8 +164,10 @@ def plot_load(r: dict, out_dir) -> Path:
 
 def plot_steps(r: dict, out_dir) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.3), gridspec_kw={"width_ratios": [1.2, 2, 1]})
-    fig.suptitle(f"Per-step profile - {r['model']} on {r['device']}, {r['num_requests']} requests, "
-                 f"max_num_batched_tokens {r['max_num_batched_tokens']}, {r['steps']} steps")
+    fig.suptitle(
+        f"Per-step profile - {r['model']} on {r['device']}, {r['num_requests']} requests, "
+        f"max_num_batched_tokens {r['max_num_batched_tokens']}, {r['steps']} steps"
+    )
     ax = axes[0]
     bt = r["per_step"]["batched_tokens"]
     ax.hist(bt, bins=min(50, max(5, len(set(bt)))), color=PAGED)
@@ -153,8 +178,12 @@ def plot_steps(r: dict, out_dir) -> Path:
     phases = [("schedule", "#1f77b4"), ("model", "#ff7f0e"), ("output", "#2ca02c"), ("other", "#7f7f7f")]
     ax = axes[1]
     steps = np.arange(len(bt))
-    ax.stackplot(steps, *[np.asarray(r["per_step"][f"{p}_ms"]) for p, _ in phases], labels=[p for p, _ in phases],
-                 colors=[c for _, c in phases])
+    ax.stackplot(
+        steps,
+        *[np.asarray(r["per_step"][f"{p}_ms"]) for p, _ in phases],
+        labels=[p for p, _ in phases],
+        colors=[c for _, c in phases],
+    )
     ax.set_xlabel("engine step")
     ax.set_ylabel("ms")
     ax.set_title("Step time by phase")

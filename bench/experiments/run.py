@@ -1,6 +1,6 @@
 """Run the experiments and write their JSON + PNG files into one folder.
 
-    python -m bench.experiments.run [--out report] [--only memory] [--model tiny] [--device cuda]
+python -m bench.experiments.run [--out report] [--only memory] [--model tiny] [--device cuda]
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ def run(args: argparse.Namespace) -> dict:
     env = environment()
     env["torch_threads"] = args.threads
     flags = [f"--out {args.out}"] + [f"--only {n}" for n in args.only or []]
-    flags += [f"--{k} {v}" for k, v in (("model", args.model), ("device", args.device), ("seed", args.seed), ("threads", args.threads))
-              if v not in (None, "cpu", 0, 1)]
+    flags += [
+        f"--{k} {v}"
+        for k, v in (("model", args.model), ("device", args.device), ("seed", args.seed), ("threads", args.threads))
+        if v not in (None, "cpu", 0, 1)
+    ]
     env["command"] = " ".join(["picovllm bench experiments", *flags])
     out = Path(args.out)
     selected = args.only or list(EXPERIMENTS)
@@ -53,7 +56,9 @@ def run(args: argparse.Namespace) -> dict:
             from bench.experiments import steps
 
             results[name] = steps.run(out, model=args.model, device=args.device, seed=args.seed, env=env)
-        print(f"{name}: {out / (name + '.json')}, {out / (name + '.png')} ({time.perf_counter() - t:.1f} s)", flush=True)
+        print(
+            f"{name}: {out / (name + '.json')}, {out / (name + '.png')} ({time.perf_counter() - t:.1f} s)", flush=True
+        )
     return results
 
 

@@ -13,7 +13,16 @@ import time
 
 import numpy as np
 
-from bench.experiments.common import build_engine, make_workload, mean, model_label, num_finished, pct, progress, sampling
+from bench.experiments.common import (
+    build_engine,
+    make_workload,
+    mean,
+    model_label,
+    num_finished,
+    pct,
+    progress,
+    sampling,
+)
 
 PHASES = ("schedule", "model", "output", "other")
 
@@ -77,25 +86,48 @@ def profile(engine, prompts, output_lens, device: str = "cpu") -> dict:
     return {"batched_tokens": kept, **{f"{p}_ms": [round(x, 4) for x in rows[p]] for p in PHASES}}
 
 
-def run(out_dir, *, model: str | None = None, device: str = "cpu", num_requests: int | None = None, seed: int = 0,
-        env: dict | None = None, max_num_batched_tokens: int | None = None) -> dict:
+def run(
+    out_dir,
+    *,
+    model: str | None = None,
+    device: str = "cpu",
+    num_requests: int | None = None,
+    seed: int = 0,
+    env: dict | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> dict:
     from bench.experiments import plots
 
     on_gpu = str(device).startswith("cuda")
     num_requests = num_requests or (256 if on_gpu else 64)
     budget = max_num_batched_tokens or (2048 if on_gpu else 512)
-    engine = build_engine(model, device, num_gpu_blocks=None if on_gpu else 512, max_num_seqs=256, max_num_batched_tokens=budget)
+    engine = build_engine(
+        model, device, num_gpu_blocks=None if on_gpu else 512, max_num_seqs=256, max_num_batched_tokens=budget
+    )
     max_len = min(engine.max_model_len, 1024 if on_gpu else 512)
     prompts, output_lens = make_workload(num_requests, max_len, engine.model_config.vocab_size, seed)
     profile(engine, prompts[:4], [4] * 4, device)  # warm-up
     per_step = profile(engine, prompts, output_lens, device)
     bt = per_step["batched_tokens"]
     result = {
-        "experiment": "steps", "model": model_label(model), "device": str(device), "seed": seed, "environment": env or {},
-        "num_requests": num_requests, "max_num_batched_tokens": budget, "steps": len(bt),
+        "experiment": "steps",
+        "model": model_label(model),
+        "device": str(device),
+        "seed": seed,
+        "environment": env or {},
+        "num_requests": num_requests,
+        "max_num_batched_tokens": budget,
+        "steps": len(bt),
         "batched_tokens": {"mean": mean(bt), "p50": pct(bt, 50), "p95": pct(bt, 95), "max": int(max(bt, default=0))},
-        "breakdown_ms": {p: {"mean": mean(per_step[f"{p}_ms"]), "p50": pct(per_step[f"{p}_ms"], 50), "p99": pct(per_step[f"{p}_ms"], 99),
-                             "total": float(np.sum(per_step[f"{p}_ms"]))} for p in PHASES},
+        "breakdown_ms": {
+            p: {
+                "mean": mean(per_step[f"{p}_ms"]),
+                "p50": pct(per_step[f"{p}_ms"], 50),
+                "p99": pct(per_step[f"{p}_ms"], 99),
+                "total": float(np.sum(per_step[f"{p}_ms"])),
+            }
+            for p in PHASES
+        },
         "per_step": per_step,
     }
     plots.write_json(out_dir, "steps", result)

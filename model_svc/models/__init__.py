@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
-from torch import nn
 
 from kernels.ops import KernelOps
 from model_svc.config import ModelConfig
 from model_svc.models.llama import LlamaForCausalLM
 
 # Mistral is structurally Llama; Qwen2/Qwen3 differ only by flags (q/k/v bias, q/k norm).
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
@@ -31,7 +30,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def build_model(config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def build_model(
+    config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device | str
+) -> LlamaForCausalLM:
     """An eval-mode model with (default-initialised) parameters created directly on device in
     dtype; the loader or build_random_model fills the weights."""
     cls = MODEL_REGISTRY.get(config.family)

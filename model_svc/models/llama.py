@@ -9,6 +9,9 @@ that q/k/v and gate/up are merged (see packed_modules_mapping).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,7 +52,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=config.attention_bias, ops=ops
+            config.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            bias=config.attention_bias,
+            ops=ops,
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, ops=ops)
         self.qk_norm = config.qk_norm
@@ -87,7 +93,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # (N, Hq, D)
         """attend() without the o projection."""
         n = qkv.shape[0]
-        if self.cascade is not None and attn.is_decode and attn.prefix_blocks is not None and self.attn.has_cache(kv_cache):
+        if (
+            self.cascade is not None
+            and attn.is_decode
+            and attn.prefix_blocks is not None
+            and self.attn.has_cache(kv_cache)
+        ):
             o = self.cascade_attend(qkv, rope, kv_cache, attn)  # (N, Hq, D)
         elif self.fused_qk_norm_rope_store is not None and self.attn.has_cache(kv_cache):
             q = self.query_and_store(qkv, rope, kv_cache, attn.slot_mapping)  # contiguous (N, Hq, D)
@@ -102,24 +113,42 @@ class LlamaAttention(nn.Module):
         return o
 
     def query_and_store(
-        self, qkv: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache, slot_mapping: torch.Tensor,
+        self,
+        qkv: torch.Tensor,
+        rope: RotaryInputs,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (N, Hq, D), contiguous (`out` when given)
         """The qkv projection's output -> q after the per-head norm and rotary, with the rotated
         k and v written into the cache at the slots (one launch; fused Triton ops only)."""
+        store = self.fused_qk_norm_rope_store
+        assert store is not None, "called on the fused Triton ops only"
         q, k, v = self._heads(qkv)
         k_cache, v_cache = kv_cache
-        return self.fused_qk_norm_rope_store(q, k, v, rope.positions, rope.cos_sin_cache, *self._norm_args(),
-                                             k_cache, v_cache, slot_mapping, out=out)
+        return store(
+            q, k, v, rope.positions, rope.cos_sin_cache, *self._norm_args(), k_cache, v_cache, slot_mapping, out=out
+        )
 
-    def cascade_attend(self, qkv: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
+    def cascade_attend(
+        self, qkv: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache, attn: AttentionMetadata
+    ) -> torch.Tensor:
         """Decode over a shared prefix: query_and_store's work and cascade attention in the
         cascade's two launches (kernels.triton_cascade.cascade_decode_attention_store)."""
+        cascade = self.cascade
+        assert cascade is not None, "called when the cascade kernels fuse the store (attention())"
         q, k, v = self._heads(qkv)
-        step = self.cascade.StepKV(k, v, rope.positions, rope.cos_sin_cache, *self._norm_args(), attn.slot_mapping)
+        step = cascade.StepKV(k, v, rope.positions, rope.cos_sin_cache, *self._norm_args(), attn.slot_mapping)
         k_cache, v_cache = kv_cache
-        return self.cascade.cascade_decode_attention_store(
-            q, step, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.attn.scale, attn.prefix_blocks,
+        return cascade.cascade_decode_attention_store(
+            q,
+            step,
+            k_cache,
+            v_cache,
+            attn.block_tables,
+            attn.seq_lens,
+            self.attn.scale,
+            attn.prefix_blocks,
             attn.max_prefix_blocks,
         )
 
@@ -127,8 +156,11 @@ class LlamaAttention(nn.Module):
         """Views (N, Hq, D), (N, Hkv, D), (N, Hkv, D) of q, k and v in the qkv projection's output."""
         n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return (q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
-                v.view(n, self.num_kv_heads, self.head_dim))
+        return (
+            q.view(n, self.num_heads, self.head_dim),
+            k.view(n, self.num_kv_heads, self.head_dim),
+            v.view(n, self.num_kv_heads, self.head_dim),
+        )
 
     def _norm_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
         """(q norm weight, k norm weight, eps) for the fused kernels; (None, None, 0.0) without
@@ -137,14 +169,13 @@ class LlamaAttention(nn.Module):
             return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         return None, None, 0.0
 
-    def _norm_rope(
-        self, q: torch.Tensor, k: torch.Tensor, rope: RotaryInputs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, rope: RotaryInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """q/k (views into the qkv output) -> per-head norm (Qwen3), then rotary."""
         if self.fused_qk_norm_rope is not None:
             return self.fused_qk_norm_rope(q, k, rope.positions, rope.cos_sin_cache, *self._norm_args())
         if self.qk_norm:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+        assert rope.cos is not None and rope.sin is not None, "gathered for the torch path (RotaryEmbedding.inputs)"
         return apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
 
 
@@ -210,6 +241,7 @@ class LlamaDecoderLayer(nn.Module):
         (kernels.triton_splitk). Only layer 0's input norm runs as a kernel."""
         attention, mlp = self.self_attn, self.mlp
         qkv_proj, gemv_ops = attention.qkv_proj, attention.qkv_proj.gemv_ops
+        assert gemv_ops is not None, "on the Triton gemv ops only (LlamaModel.defers_norms)"
         if sums is None:
             x, h = self.input_layernorm(h, None)  # the new residual is h itself
             qkv = qkv_proj(x)
@@ -224,8 +256,13 @@ class LlamaDecoderLayer(nn.Module):
     # The layer in two halves around its attention (model_svc.prefill_graphs replays each half
     # from a CUDA graph): together they are forward() on the fused Triton path with a cache.
     def before_attention(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryInputs, kv_cache: KVCache,
-        slot_mapping: torch.Tensor, q_out: torch.Tensor | None = None,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RotaryInputs,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+        q_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (q (N, Hq, D), residual (N, hidden))
         x, residual = self.input_layernorm(x, residual)
         attn = self.self_attn
@@ -250,6 +287,7 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, proj: Linear
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """proj(norm(x, residual)) and the new residual, in one launch."""
+        assert proj.gemv_ops is not None, "on the Triton gemv ops only (_norms_in_gemv)"
         return proj.gemv_ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
 
 
@@ -266,6 +304,10 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
 
+    def decoder_layers(self) -> Sequence[LlamaDecoderLayer]:
+        """self.layers with its items' type (an nn.ModuleList types them as Module)."""
+        return cast("Sequence[LlamaDecoderLayer]", self.layers)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # (N,) int64
@@ -277,11 +319,11 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb.inputs(positions, gather=not self.fused)  # shared by all layers
         if self.defers_norms(x):
             sums = None
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.decoder_layers()):
                 x, sums = layer.forward_deferred(x, sums, rope, kv_caches[i] if kv_caches is not None else None, attn)
             return self.norm(x, None)[0]
         residual = None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             x, residual = layer(x, residual, rope, kv_caches[i] if kv_caches is not None else None, attn)
         x, _ = self.norm(x, residual)
         return x
@@ -299,14 +341,21 @@ class LlamaModel(nn.Module):
         that path runs (and without an MLP bias, which the fused gate|up lacks), unless forced
         (a reference model that should hold the same weights as a folded one); returns whether
         the weights are folded."""
-        layer = self.layers[0]
+        layers = self.decoder_layers()
+        layer = layers[0]
         if self.norms_folded:
             return True
-        if not force and (self.gemv_ops is None or layer.mlp.gate_up_proj.bias is not None
-                          or layer.input_layernorm.weight.dtype not in (torch.bfloat16, torch.float16)):
+        if not force and (
+            self.gemv_ops is None
+            or layer.mlp.gate_up_proj.bias is not None
+            or layer.input_layernorm.weight.dtype not in (torch.bfloat16, torch.float16)
+        ):
             return False
-        for layer in self.layers:
-            for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj), (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+        for layer in layers:
+            for norm, proj in (
+                (layer.input_layernorm, layer.self_attn.qkv_proj),
+                (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
+            ):
                 proj.weight.copy_(proj.weight.float() * norm.weight.float()[None, :])
                 norm.weight.fill_(1.0)
         self.norms_folded = True

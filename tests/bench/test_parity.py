@@ -20,12 +20,21 @@ def test_reference_margins_score_candidates_in_fp32():
     assert margins[0] == -margins[1] != 0.0 and margins[2] == 0.0
 
     # the same logits from the bf16 weights upcast by hand and stepped in fp32
-    _, plain = build_runner(str(BUNDLED_MODEL), "cpu", "bfloat16", num_device_blocks=4, kernel_backend="torch", enforce_eager=True)
+    _, plain = build_runner(
+        str(BUNDLED_MODEL), "cpu", "bfloat16", num_device_blocks=4, kernel_backend="torch", enforce_eager=True
+    )
     model = plain.model.float()
     from model_svc.runner import ModelRunner
 
-    ref = ModelRunner(str(BUNDLED_MODEL), device="cpu", dtype=torch.float32, model=model, kernel_backend="torch",
-                      enforce_eager=True, num_device_blocks=4)
+    ref = ModelRunner(
+        str(BUNDLED_MODEL),
+        device="cpu",
+        dtype=torch.float32,
+        model=model,
+        kernel_backend="torch",
+        enforce_eager=True,
+        num_device_blocks=4,
+    )
     seen = []
     orig = ref.model.compute_logits
     ref.model.compute_logits = lambda hidden: seen.append(orig(hidden)) or seen[-1]

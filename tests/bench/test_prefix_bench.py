@@ -22,8 +22,27 @@ def test_prefix_bench_small(tmp_path, monkeypatch):
     from bench import prefix
 
     out = tmp_path / "prefix.md"
-    monkeypatch.setattr(sys, "argv", ["bench/prefix.py", "--model", "tiny", "--device", "cpu", "--prefix-len", "64",
-                                      "--num-requests", "4", "--output-len", "6", "--repeats", "3", "--out", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench/prefix.py",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--prefix-len",
+            "64",
+            "--num-requests",
+            "4",
+            "--output-len",
+            "6",
+            "--repeats",
+            "3",
+            "--out",
+            str(out),
+        ],
+    )
     prefix.main()
     text = out.read_text()
     rows = re.findall(r"^\| (on|off) \| (\d) \| [\d.]+ \| [\d,]+ \| [\d.]+ \| [\d.]+ \| (\d+) \|$", text, re.M)

@@ -11,7 +11,6 @@ import re
 import shutil
 import subprocess
 import sys
-
 from pathlib import Path
 
 import grpc
@@ -23,8 +22,11 @@ from tests.services.conftest import REPO, free_port, wait_for
 COMPOSE = REPO / "compose" / "docker-compose.yml"
 DOCKERFILE = REPO / "compose" / "Dockerfile"
 PASSWORD = "test-password-" + "x" * 8
-SECRETS = {"REDIS_PASSWORD": PASSWORD, "PICOVLLM_INTERNAL_TOKEN": "compose-test-token-0123456789",
-           "PICOVLLM_API_KEY": "compose-test-api-key-0123456789"}
+SECRETS = {
+    "REDIS_PASSWORD": PASSWORD,
+    "PICOVLLM_INTERNAL_TOKEN": "compose-test-token-0123456789",
+    "PICOVLLM_API_KEY": "compose-test-api-key-0123456789",
+}
 PICOVLLM = ("kvcache", "model", "model-cpu", "scheduler")
 
 
@@ -34,6 +36,7 @@ class Unset(KeyError):
 
 def _interpolate(value: str, env: dict[str, str]) -> str:
     """Compose's $$, ${VAR}, ${VAR:-default} and ${VAR:?error} substitution."""
+
     def sub(m: re.Match) -> str:
         if m.group(0) == "$$":
             return "$"
@@ -58,7 +61,9 @@ def test_deployment_rules(compose):
     assert published == {"scheduler", "http"}
     assert {p.split(":")[-1] for p in services["scheduler"]["ports"]} == {"50051", "9400"}
     assert [p.split(":")[-1] for p in services["http"]["ports"]] == ["8000"]
-    assert all(p.startswith("127.0.0.1:") for name in published for p in services[name]["ports"])  # the host's loopback only
+    assert all(
+        p.startswith("127.0.0.1:") for name in published for p in services[name]["ports"]
+    )  # the host's loopback only
     # Redis: a password and append-only persistence on a volume.
     redis_cmd = " ".join(services["redis"]["command"])
     assert "requirepass" in redis_cmd and "--appendonly yes" in redis_cmd
@@ -111,8 +116,11 @@ def test_secrets_are_required_and_never_on_a_command_line(compose):
         assert ("PICOVLLM_API_KEY" in env) == (name == "scheduler"), name
     assert "REDIS_PASSWORD" in services["redis"]["environment"]
     # The HTTP gateway calls only the public API: the API key, neither the token nor Redis.
-    assert set(services["http"]["environment"]) & {"PICOVLLM_API_KEY", "PICOVLLM_INTERNAL_TOKEN", "PICOVLLM_REDIS_URL"} == {
-        "PICOVLLM_API_KEY"}
+    assert set(services["http"]["environment"]) & {
+        "PICOVLLM_API_KEY",
+        "PICOVLLM_INTERNAL_TOKEN",
+        "PICOVLLM_REDIS_URL",
+    } == {"PICOVLLM_API_KEY"}
 
 
 def test_image_runs_as_a_non_root_user():
@@ -125,8 +133,14 @@ def test_services_start_from_the_file_and_answer(compose, tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
     services = compose["services"]
-    ports = {"scheduler": free_port(), "kvcache": free_port(), "model": free_port(), "redis": free_port(), "metrics": free_port(),
-             "http": free_port()}
+    ports = {
+        "scheduler": free_port(),
+        "kvcache": free_port(),
+        "model": free_port(),
+        "redis": free_port(),
+        "metrics": free_port(),
+        "http": free_port(),
+    }
     host_env = SECRETS
 
     def local(value: str) -> str:
@@ -144,42 +158,67 @@ def test_services_start_from_the_file_and_answer(compose, tmp_path):
         return {**env, "PICOVLLM_METRICS_PORT": str(ports["metrics"]), "PYTHONPATH": str(REPO)}
 
     redis_cmd = [local(a) for a in services["redis"]["command"]]
-    redis = subprocess.Popen([*redis_cmd, "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--dir", str(tmp_path)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=environment("redis"))
+    redis = subprocess.Popen(
+        [*redis_cmd, "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        env=environment("redis"),
+    )
     procs = [redis]
     try:
         import redis as redis_py
 
         client = redis_py.Redis(port=ports["redis"], password=PASSWORD, socket_timeout=2)
         wait_for(lambda: _ping(client), 10, "redis from the compose command", redis)
-        for name, kind in (("kvcache", "kvcache"), ("model-cpu", "model"), ("scheduler", "scheduler"), ("http", "http")):
+        for name, kind in (
+            ("kvcache", "kvcache"),
+            ("model-cpu", "model"),
+            ("scheduler", "scheduler"),
+            ("http", "http"),
+        ):
             argv = [local(a) for a in services[name]["command"]]
             # Inside a container the service listens on 0.0.0.0:<its port>; here on loopback.
             argv = [re.sub(r"0\.0\.0\.0:\d+", f"127.0.0.1:{ports[kind]}", a) for a in argv]
             if kind == "http":  # --host 0.0.0.0 --port 8000
                 argv = [{"0.0.0.0": "127.0.0.1", "8000": str(ports["http"])}.get(a, a) for a in argv]
             env = environment(name)
-            log = open(tmp_path / f"{name}.log", "w")
-            proc = subprocess.Popen([sys.executable, "-m", "scheduler_svc.cli", *argv, "--torch-threads", "1"] if kind == "model" else
-                                    [sys.executable, "-m", "scheduler_svc.cli", *argv], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+            with open(tmp_path / f"{name}.log", "w") as log:  # the child keeps its own copy
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "scheduler_svc.cli", *argv, "--torch-threads", "1"]
+                    if kind == "model"
+                    else [sys.executable, "-m", "scheduler_svc.cli", *argv],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=tmp_path,
+                )
             procs.append(proc)
             check = [local(a) for a in services[name]["healthcheck"]["test"][1:]]
             check = [sys.executable if a == "python" else a for a in check]
-            wait_for(lambda c=check, e=env: subprocess.run(c, env=e, capture_output=True, timeout=10).returncode == 0, 120,
-                     f"{name} healthcheck from the compose file", proc)
+            wait_for(
+                lambda c=check, e=env: subprocess.run(c, env=e, capture_output=True, timeout=10).returncode == 0,
+                120,
+                f"{name} healthcheck from the compose file",
+                proc,
+            )
         from scheduler_svc.client import Client
 
         with Client(f"127.0.0.1:{ports['scheduler']}", timeout=60, api_key=SECRETS["PICOVLLM_API_KEY"]) as c:
             text, ids, last = c.complete("Once upon a time", max_tokens=12, temperature=0)
         assert len(ids) == 12 and text.startswith(", there was a little girl")
         assert client.keys("picovllm:compose:*"), "the KV-cache service wrote no metadata to the compose Redis"
-        with Client(f"127.0.0.1:{ports['scheduler']}", timeout=10, api_key="") as c:  # the file's API key is required
-            with pytest.raises(grpc.RpcError) as refused:
-                c.complete("Once upon a time", max_tokens=2)
+        # The file's API key is required.
+        with (
+            Client(f"127.0.0.1:{ports['scheduler']}", timeout=10, api_key="") as c,
+            pytest.raises(grpc.RpcError) as refused,
+        ):
+            c.complete("Once upon a time", max_tokens=2)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         import openai  # the gateway, with the file's API key
 
-        gateway = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key=SECRETS["PICOVLLM_API_KEY"], max_retries=0)
+        gateway = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key=SECRETS["PICOVLLM_API_KEY"], max_retries=0
+        )
         assert [m.id for m in gateway.models.list().data] == ["model"]  # SERVED_MODEL_NAME's default
         reply = gateway.completions.create(model="model", prompt="Once upon a time", max_tokens=12, temperature=0)
         assert reply.choices[0].text == text

@@ -1,6 +1,6 @@
 """Round trips of the model Step messages (contracts.step_convert) through the wire format: the
-per-sequence messages, the columnar encoding of plain decode rows and plain tokens, and
-steps that mix both (the step's order is kept)."""
+columnar encoding of plain decode rows and plain tokens, the per-sequence messages of the
+others, and steps that mix both (the step's order is kept)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from contracts.step import PLACEHOLDER, SampledToken, SeqStep, StepInput, StepOu
 from protos.picovllm.model.v1 import model_pb2 as pb
 
 
-def _wire_step(inp: StepInput, columnar: bool) -> tuple[pb.StepRequest, StepInput]:
-    m = pb.StepRequest.FromString(step_convert.step_to_pb(inp, "epoch-1", columnar).SerializeToString())
+def _wire_step(inp: StepInput) -> tuple[pb.StepRequest, StepInput]:
+    m = pb.StepRequest.FromString(step_convert.step_to_pb(inp, "epoch-1").SerializeToString())
     assert m.expected_epoch == "epoch-1"
     return m, step_convert.step_from_pb(m)
 
 
-def _wire_output(out: StepOutput, columnar: bool) -> tuple[pb.StepResponse, StepOutput]:
-    m = pb.StepResponse.FromString(step_convert.output_to_pb(out, "epoch-1", columnar).SerializeToString())
+def _wire_output(out: StepOutput) -> tuple[pb.StepResponse, StepOutput]:
+    m = pb.StepResponse.FromString(step_convert.output_to_pb(out, "epoch-1").SerializeToString())
     assert m.epoch == "epoch-1"
     return m, step_convert.output_from_pb(m)
 
@@ -39,30 +39,40 @@ def _prefill(i: int, first: bool = True) -> SeqStep:
     return s
 
 
-DECODE_ONLY = [_decode(0, 17), _decode(1), _decode(2, 3, [9]), _decode(3, table=[]), _decode(4, 0, [1, 2, 3], sample=False)]
+DECODE_ONLY = [
+    _decode(0, 17),
+    _decode(1),
+    _decode(2, 3, [9]),
+    _decode(3, table=[]),
+    _decode(4, 0, [1, 2, 3], sample=False),
+]
 
 
-@pytest.mark.parametrize("columnar", [False, True])
-@pytest.mark.parametrize("seqs", [
-    [],
-    DECODE_ONLY,
-    [_prefill(0), _prefill(1, first=False)],  # no decode row: messages only
-    [_prefill(0), *DECODE_ONLY[:2], _prefill(1, first=False), *DECODE_ONLY[2:], _prefill(2)],  # mixed, order kept
-    [*DECODE_ONLY, _prefill(0)],
-    [SeqStep("first-decode", [PLACEHOLDER], 9, True, sampling=SamplingParams(), prompt_token_ids=[1])],  # params: a message
-], ids=["empty", "decode", "prefill", "mixed", "decode-then-prefill", "decode-with-params"])
-def test_step_round_trip(seqs, columnar):
-    inp = StepInput(list(seqs), swap_out=[(1, 2)], swap_in=[(3, 4), (5, 6)], copies=[(7, 8)], finished=["gone"], num_steps=1)
-    m, back = _wire_step(inp, columnar)
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [],
+        DECODE_ONLY,
+        [_prefill(0), _prefill(1, first=False)],  # no decode row: messages only
+        [_prefill(0), *DECODE_ONLY[:2], _prefill(1, first=False), *DECODE_ONLY[2:], _prefill(2)],  # mixed, order kept
+        [*DECODE_ONLY, _prefill(0)],
+        [
+            SeqStep("first-decode", [PLACEHOLDER], 9, True, sampling=SamplingParams(), prompt_token_ids=[1])
+        ],  # params: a message
+    ],
+    ids=["empty", "decode", "prefill", "mixed", "decode-then-prefill", "decode-with-params"],
+)
+def test_step_round_trip(seqs):
+    inp = StepInput(list(seqs), swap_out=[(1, 2)], swap_in=[(3, 4), (5, 6)], copies=[(7, 8)], finished=["gone"])
+    m, back = _wire_step(inp)
     assert back == inp
     plain = sum(s.sampling is None and len(s.token_ids) == 1 for s in seqs)
-    assert len(m.decode_seq_ids) == (plain if columnar else 0)
-    assert len(m.seqs) == len(seqs) - len(m.decode_seq_ids)
-    assert m.columnar_answer == columnar
+    assert len(m.decode_seq_ids) == plain
+    assert len(m.seqs) == len(seqs) - plain
 
 
 def test_columnar_decode_step_sends_no_per_sequence_message():
-    m, back = _wire_step(StepInput(list(DECODE_ONLY)), columnar=True)
+    m, back = _wire_step(StepInput(list(DECODE_ONLY)))
     assert not m.seqs and not m.seqs_at
     assert list(m.decode_token_ids) == [17, PLACEHOLDER, 3, PLACEHOLDER, 0]
     assert list(m.decode_table_rows) == [2, 3, 4] and list(m.decode_table_lens) == [1, 0, 3]
@@ -71,57 +81,43 @@ def test_columnar_decode_step_sends_no_per_sequence_message():
 
 
 def test_empty_step_round_trips():
-    for columnar in (False, True):
-        _, back = _wire_step(StepInput(), columnar)
-        assert back == StepInput() and back.is_empty()
+    _, back = _wire_step(StepInput())
+    assert back == StepInput() and back.is_empty()
 
 
-def test_a_request_without_columns_still_reads():
-    """What an older client sends (messages only, no columnar_answer) reads as before."""
-    inp = StepInput(list(DECODE_ONLY) + [_prefill(0)], num_steps=3)
-    m = pb.StepRequest.FromString(step_convert.step_to_pb(inp, "e").SerializeToString())
-    assert not m.decode_seq_ids and not m.columnar_answer
-    assert step_convert.step_from_pb(m) == inp
-
-
-def test_columns_without_order_put_the_decode_rows_first():
-    m = step_convert.step_to_pb(StepInput([_prefill(0), _decode(1)]), "e", columnar=True)
-    assert list(m.seqs_at) == [0]
-    del m.seqs_at[:]
-    assert [s.seq_id for s in step_convert.step_from_pb(m).seqs] == ["seq-1", "pre-0"]
+def test_messages_keep_their_place_among_the_decode_rows():
+    m, back = _wire_step(StepInput([_prefill(0), _decode(1), _prefill(1, first=False)]))
+    assert list(m.seqs_at) == [0, 2]
+    assert [s.seq_id for s in back.seqs] == ["pre-0", "seq-1", "pre-1"]
 
 
 PLAIN = [SampledToken(f"seq-{i}", 100 + i) for i in range(4)]
 WITH_LOGPROBS = SampledToken("lp", 7, -0.25, [(7, -0.25), (9, -1.5)])
-MULTI_STEP = SampledToken("ms", 8, None, None, [9, 10])
+GREEDY_LOGPROB = SampledToken("g", 8, -0.5, [])  # logprobs=0: no alternatives, still a message
 
 
-@pytest.mark.parametrize("columnar", [False, True])
-@pytest.mark.parametrize("sampled", [
-    [],
-    PLAIN,
-    [WITH_LOGPROBS, MULTI_STEP],
-    [PLAIN[0], WITH_LOGPROBS, *PLAIN[1:3], MULTI_STEP, PLAIN[3]],
-], ids=["empty", "plain", "logprobs", "mixed"])
-def test_output_round_trip(sampled, columnar):
+@pytest.mark.parametrize(
+    "sampled",
+    [
+        [],
+        PLAIN,
+        [WITH_LOGPROBS, GREEDY_LOGPROB],
+        [PLAIN[0], WITH_LOGPROBS, *PLAIN[1:3], GREEDY_LOGPROB, PLAIN[3]],
+    ],
+    ids=["empty", "plain", "logprobs", "mixed"],
+)
+def test_output_round_trip(sampled):
     out = StepOutput(list(sampled))
-    m, back = _wire_output(out, columnar)
+    m, back = _wire_output(out)
     assert back == out
-    plain = sum(t.logprob is None and not t.extra_token_ids for t in sampled)
-    assert len(m.sampled_seq_ids) == (plain if columnar else 0)
-    assert len(m.sampled) == len(sampled) - len(m.sampled_seq_ids)  # logprobs and sub-step tokens fall back
+    plain = sum(t.logprob is None for t in sampled)
+    assert len(m.sampled_seq_ids) == plain
+    assert len(m.sampled) == len(sampled) - len(m.sampled_seq_ids)  # tokens with logprobs travel as messages
 
 
 def test_plain_output_is_columnar_only():
-    m, _ = _wire_output(StepOutput(list(PLAIN)), columnar=True)
+    m, _ = _wire_output(StepOutput(list(PLAIN)))
     assert not m.sampled and not m.sampled_at
-    assert list(m.sampled_seq_ids) == [t.seq_id for t in PLAIN] and list(m.sampled_token_ids) == [t.token_id for t in PLAIN]
-
-
-def test_the_model_service_advertises_the_columnar_step():
-    from model_svc.client import info_from_pb
-    from model_svc.server import ModelInfo, info_to_pb
-
-    info = info_to_pb(ModelInfo("e", "m", "llama", 512, 512, (2,), 1, 16, 64, 8, "cpu", "float32"))
-    assert info_from_pb(pb.GetInfoResponse.FromString(info.SerializeToString())).columnar_step
-    assert not info_from_pb(pb.GetInfoResponse(epoch="old")).columnar_step  # an older service: messages only
+    assert list(m.sampled_seq_ids) == [t.seq_id for t in PLAIN] and list(m.sampled_token_ids) == [
+        t.token_id for t in PLAIN
+    ]

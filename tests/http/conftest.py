@@ -34,8 +34,13 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
 class ServeAll(Stack):
     """One `picovllm serve all` on free loopback ports; Stack's KV-cache and client helpers."""
 
-    def __init__(self, log_dir: Path, extra: list[str] | None = None, env: dict[str, str] | None = None,
-                 api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.log_dir = log_dir
         self.addr = {k: f"127.0.0.1:{free_port()}" for k in ("scheduler", "kvcache", "model")}
         self.metrics_port, self.http_port = free_port(), free_port()
@@ -43,9 +48,25 @@ class ServeAll(Stack):
         self.api_key = api_key
         config = log_dir / "picovllm.yaml"
         config.write_text(f"http:\n  max_request_bytes: {MAX_REQUEST_BYTES}\n")
-        args = ["--config", str(config), "--scheduler-addr", self.addr["scheduler"], "--kvcache-addr", self.addr["kvcache"],
-                "--model-addr", self.addr["model"], "--metrics-port", str(self.metrics_port), "--port", str(self.http_port),
-                "--device", "cpu", "--torch-threads", "1", *(extra or [])]
+        args = [
+            "--config",
+            str(config),
+            "--scheduler-addr",
+            self.addr["scheduler"],
+            "--kvcache-addr",
+            self.addr["kvcache"],
+            "--model-addr",
+            self.addr["model"],
+            "--metrics-port",
+            str(self.metrics_port),
+            "--port",
+            str(self.http_port),
+            "--device",
+            "cpu",
+            "--torch-threads",
+            "1",
+            *(extra or []),
+        ]
         self.procs = {}
         self.procs["all"] = ServiceProcess("all", args, log_dir, env={**(env or {}), "PICOVLLM_API_KEY": api_key or ""})
         try:
@@ -62,12 +83,16 @@ class ServeAll(Stack):
     def openai(self, **kwargs):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, timeout=60, **kwargs)
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, timeout=60, **kwargs
+        )
 
     def async_openai(self, **kwargs):
         import openai
 
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, timeout=60, **kwargs)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, timeout=60, **kwargs
+        )
 
     def scheduler_metric(self, line_prefix: str) -> float:
         """The value of the scheduler's Prometheus sample whose line starts with `line_prefix`."""
@@ -79,8 +104,15 @@ class ServeAll(Stack):
         return 0.0
 
 
-def raw(stack: ServeAll, method: str, path: str, body=None, headers: dict | None = None, key: str | None = "stack",
-        timeout: float = 60) -> tuple[int, dict]:
+def raw(
+    stack: ServeAll,
+    method: str,
+    path: str,
+    body=None,
+    headers: dict | None = None,
+    key: str | None = "stack",
+    timeout: float = 60,
+) -> tuple[int, dict]:
     """One plain HTTP request (stdlib, no client library in between): (status, parsed JSON).
     `body`: an object (sent as JSON), bytes, or an iterator of bytes (sent chunked)."""
     conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=timeout)
@@ -90,7 +122,9 @@ def raw(stack: ServeAll, method: str, path: str, body=None, headers: dict | None
         hdrs["Authorization"] = f"Bearer {key}"
     data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
     try:
-        conn.request(method, path, body=data, headers=hdrs, encode_chunked=data is not None and not isinstance(data, bytes))
+        conn.request(
+            method, path, body=data, headers=hdrs, encode_chunked=data is not None and not isinstance(data, bytes)
+        )
         reply = conn.getresponse()
         text = reply.read()
     finally:
@@ -107,10 +141,23 @@ def make_tiny_qwen3(path: Path) -> Path:
     from model_svc.config import ModelConfig
     from model_svc.loader import build_random_model, save_model
 
-    config = ModelConfig.from_hf_config(dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
-        eos_token_id=[151645, 151643], rope_theta=1e6, rms_norm_eps=1e-6))
+    config = ModelConfig.from_hf_config(
+        dict(
+            model_type="qwen3",
+            vocab_size=151936,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            eos_token_id=[151645, 151643],
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+        )
+    )
     save_model(build_random_model(config, torch.float32, "cpu", seed=0, std=0.05), path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(QWEN2_TOKENIZER / name, path / name)
@@ -121,8 +168,11 @@ def make_tiny_qwen3(path: Path) -> Path:
 def bundled(tmp_path_factory):
     """serve all with the bundled stories260k and an API key; one sequence at a time and at
     most two waiting (the prompts of one request among them), so that a burst meets a full queue."""
-    stack = ServeAll(tmp_path_factory.mktemp("http-bundled"), ["--num-gpu-blocks", "128", "--num-cpu-blocks", "16",
-                                                               "--max-num-seqs", "1", "--max-waiting", "2"], api_key=API_KEY)
+    stack = ServeAll(
+        tmp_path_factory.mktemp("http-bundled"),
+        ["--num-gpu-blocks", "128", "--num-cpu-blocks", "16", "--max-num-seqs", "1", "--max-waiting", "2"],
+        api_key=API_KEY,
+    )
     yield stack
     stack.close()
 

@@ -10,7 +10,10 @@ import asyncio
 from tests.http.conftest import QWEN2_TOKENIZER
 
 MODEL = "tiny-qwen3"
-MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello in Japanese: こんにちは?"}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say hello in Japanese: こんにちは?"},
+]
 GREEDY = dict(max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True})
 
 
@@ -32,8 +35,11 @@ def test_chat_whole_and_streamed_equal_grpc(qwen):
     whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
     assert expected and whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == expected
     assert whole.usage.prompt_tokens == len(prompt) and whole.usage.completion_tokens == len(ids) == 12
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -43,11 +49,19 @@ def test_chat_whole_and_streamed_equal_grpc(qwen):
 def test_async_chat_streamed_with_logprobs_and_max_completion_tokens(qwen):
     async def run():
         client = qwen.async_openai()
-        whole = await client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=3, **GREEDY)
+        whole = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=3, **GREEDY
+        )
         stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **GREEDY)
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-        capped = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=3, max_tokens=9,
-                                                      temperature=0.0, extra_body={"ignore_eos": True})
+        capped = await client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_completion_tokens=3,
+            max_tokens=9,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
         await client.close()
         return whole, text, capped
 
@@ -63,8 +77,14 @@ def test_async_chat_streamed_with_logprobs_and_max_completion_tokens(qwen):
 def test_64_concurrent_streaming_chats_complete(qwen):
     async def one(client, i: int) -> tuple[str, str]:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Request {i}: tell me a story."}], stream=True,
-            max_tokens=8, temperature=0.8, seed=i, extra_body={"ignore_eos": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Request {i}: tell me a story."}],
+            stream=True,
+            max_tokens=8,
+            temperature=0.8,
+            seed=i,
+            extra_body={"ignore_eos": True},
+        )
         text, reason = "", None
         async for chunk in stream:
             if chunk.choices:
@@ -93,14 +113,25 @@ def test_chat_template_flag_gives_chat_to_a_model_without_one(bundled, tmp_path)
     from tests.services.conftest import ServiceProcess, free_port, wait_for
 
     port = free_port()
-    gateway = ServiceProcess("http", ["--scheduler-addr", bundled.addr["scheduler"], "--port", str(port),
-                                      "--chat-template", str(QWEN2_TOKENIZER / "chat_template.jinja")], tmp_path,
-                             env={"PICOVLLM_API_KEY": API_KEY})
+    gateway = ServiceProcess(
+        "http",
+        [
+            "--scheduler-addr",
+            bundled.addr["scheduler"],
+            "--port",
+            str(port),
+            "--chat-template",
+            str(QWEN2_TOKENIZER / "chat_template.jinja"),
+        ],
+        tmp_path,
+        env={"PICOVLLM_API_KEY": API_KEY},
+    )
     try:
         wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 60, "the second gateway", gateway.proc)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-        reply = client.chat.completions.create(model="stories260k", messages=[{"role": "user", "content": "Tell me a story."}],
-                                               **GREEDY)
+        reply = client.chat.completions.create(
+            model="stories260k", messages=[{"role": "user", "content": "Tell me a story."}], **GREEDY
+        )
         assert reply.choices[0].message.content and reply.usage.completion_tokens == 12
     finally:
         gateway.kill()

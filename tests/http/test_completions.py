@@ -30,9 +30,16 @@ def test_sync_completion_whole_and_streamed_equal_grpc(bundled):
     whole = client.completions.create(model="stories260k", prompt=PROMPT, **GREEDY)
     assert whole.choices[0].text == expected and expected
     assert whole.choices[0].finish_reason == "length"
-    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (prompt_tokens, n, prompt_tokens + n)
-    chunks = list(client.completions.create(model="stories260k", prompt=PROMPT, stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY))
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (
+        prompt_tokens,
+        n,
+        prompt_tokens + n,
+    )
+    chunks = list(
+        client.completions.create(
+            model="stories260k", prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -63,9 +70,18 @@ def test_async_completion_token_prompts_and_several_prompts(bundled):
 def test_sampling_fields_reach_the_engine(bundled):
     client = bundled.openai()
     base = dict(model="stories260k", prompt=PROMPT, max_tokens=16)
-    seeded = [client.completions.create(**base, temperature=1.0, seed=7, top_p=0.9,
-                                        extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1}).choices[0].text
-              for _ in range(2)]
+    seeded = [
+        client.completions.create(
+            **base,
+            temperature=1.0,
+            seed=7,
+            top_p=0.9,
+            extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1},
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
     stopped = client.completions.create(**base, temperature=0.0, stop=[" little"])
     assert stopped.choices[0].finish_reason == "stop" and " little" not in stopped.choices[0].text
@@ -77,8 +93,9 @@ def test_sampling_fields_reach_the_engine(bundled):
 
 
 def test_default_max_tokens_is_16_as_openai(bundled):
-    whole = bundled.openai().completions.create(model="stories260k", prompt=PROMPT, temperature=0.0,
-                                                extra_body={"ignore_eos": True})
+    whole = bundled.openai().completions.create(
+        model="stories260k", prompt=PROMPT, temperature=0.0, extra_body={"ignore_eos": True}
+    )
     assert whole.usage.completion_tokens == 16
 
 

@@ -32,8 +32,10 @@ def assert_error(reply: tuple[int, dict], status: int, param: str | None = None,
     return error
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 0), ("max_tokens", 0), ("presence_penalty", 3),
-                                          ("logprobs", 50), ("prompt", [])])
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", -1), ("top_p", 0), ("max_tokens", 0), ("presence_penalty", 3), ("logprobs", 50), ("prompt", [])],
+)
 def test_400_for_a_bad_field_names_it(bundled, field, value):
     assert_error(raw(bundled, "POST", "/v1/completions", {**BASE, field: value}), 400, field)
 
@@ -41,7 +43,9 @@ def test_400_for_a_bad_field_names_it(bundled, field, value):
 def test_400_for_what_the_engine_refuses_or_cannot_do(bundled):
     assert_error(raw(bundled, "POST", "/v1/completions", b"{not json"), 400, contains="not valid JSON")
     assert_error(raw(bundled, "POST", "/v1/completions", {**BASE, "n": 2}), 400, "n", "not supported")
-    assert_error(raw(bundled, "POST", "/v1/completions", {**BASE, "prompt": [1, 10**6]}), 400)  # the scheduler's INVALID_ARGUMENT
+    assert_error(
+        raw(bundled, "POST", "/v1/completions", {**BASE, "prompt": [1, 10**6]}), 400
+    )  # the scheduler's INVALID_ARGUMENT
     chat = {"model": "stories260k", "messages": [{"role": "user", "content": "hi"}]}
     assert_error(raw(bundled, "POST", "/v1/chat/completions", chat), 400, "messages", "chat template")
     with pytest.raises(openai.BadRequestError):
@@ -68,17 +72,22 @@ def test_413_for_a_body_over_the_limit(bundled):
     big = {**BASE, "prompt": "a" * (MAX_REQUEST_BYTES + 10)}
     assert_error(raw(bundled, "POST", "/v1/completions", big), 413)
     data = json.dumps(big).encode()
-    chunks = iter([data[i:i + 8192] for i in range(0, len(data), 8192)])  # no Content-Length: counted as it comes
+    chunks = iter([data[i : i + 8192] for i in range(0, len(data), 8192)])  # no Content-Length: counted as it comes
     assert_error(raw(bundled, "POST", "/v1/completions", chunks), 413)
     assert raw(bundled, "POST", "/v1/completions", BASE)[0] == 200  # and it keeps serving
 
 
 def test_429_when_the_queue_is_full(bundled):
     """One sequence runs at a time and two may wait: of a burst, some are refused."""
+
     async def burst():
         client = bundled.async_openai()
-        calls = [client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=64,
-                                           extra_body={"ignore_eos": True}) for _ in range(6)]
+        calls = [
+            client.completions.create(
+                model="stories260k", prompt="Once upon a time", max_tokens=64, extra_body={"ignore_eos": True}
+            )
+            for _ in range(6)
+        ]
         out = await asyncio.gather(*calls, return_exceptions=True)
         await client.close()
         return out
@@ -93,8 +102,12 @@ def test_429_when_the_queue_is_full(bundled):
 
 def _open_stream(stack, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps(body),
-                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps(body),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
     return conn, conn.getresponse()
 
 
@@ -112,8 +125,12 @@ def test_a_client_that_leaves_aborts_its_request(bundled):
     wait_until(lambda: bundled.scheduler_metric(CANCELLED) >= before + 1, 20, "the stream's request cancelled")
     conn, _ = None, None
     whole = http.client.HTTPConnection("127.0.0.1", bundled.http_port, timeout=0.5)
-    whole.request("POST", "/v1/completions", body=json.dumps(long),
-                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    whole.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps(long),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
     with pytest.raises(TimeoutError):
         whole.getresponse()  # gives up while the whole answer is being generated
     whole.close()
@@ -160,9 +177,17 @@ class _Failed(grpc.RpcError):
         return self._details
 
 
-@pytest.mark.parametrize("code, status", [(grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.OUT_OF_RANGE, 400),
-                                          (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
-                                          (grpc.StatusCode.INTERNAL, 500), (grpc.StatusCode.UNAUTHENTICATED, 500)])
+@pytest.mark.parametrize(
+    "code, status",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.OUT_OF_RANGE, 400),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.INTERNAL, 500),
+        (grpc.StatusCode.UNAUTHENTICATED, 500),
+    ],
+)
 def test_each_scheduler_status_has_its_http_status(code, status):
     error = from_rpc(_Failed(code, "detail from 10.0.0.7:50052"))
     assert error.status == status

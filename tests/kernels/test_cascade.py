@@ -88,16 +88,26 @@ def run_case(device, dtype, lens, prefix_blocks, page, head_dim, heads, max_pref
     if prefix_blocks == "max":
         prefix_blocks = min(lens) // page
     k_cache, v_cache, block_tables, seq_lens = make_shared_prefix_kv(
-        lens, prefix_blocks, num_kv_heads, head_dim, page, dtype, device, gen)
+        lens, prefix_blocks, num_kv_heads, head_dim, page, dtype, device, gen
+    )
     q = make_query(len(lens), num_q_heads, num_kv_heads, head_dim, dtype, device, gen)
     scale = 1.0 / math.sqrt(head_dim)
     ref = reference(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if max_prefix_blocks is None:
         max_prefix_blocks = block_tables.shape[1]
     out = nan_like(q.contiguous())
-    got = cascade_with_config(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                              torch.tensor([prefix_blocks], dtype=torch.int32, device=device), max_prefix_blocks,
-                              out=out, **kwargs)
+    got = cascade_with_config(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        torch.tensor([prefix_blocks], dtype=torch.int32, device=device),
+        max_prefix_blocks,
+        out=out,
+        **kwargs,
+    )
     assert got is out
     assert_matches(out, ref, dtype)
     return out, ref
@@ -122,7 +132,8 @@ def test_cascade_matches_reference_fp32(device, page, head_dim, heads, batch, pr
 
 
 @pytest.mark.parametrize(
-    "dtype,prefix_blocks", [(torch.bfloat16, 1), (torch.bfloat16, "max"), (torch.float16, "max")],
+    "dtype,prefix_blocks",
+    [(torch.bfloat16, 1), (torch.bfloat16, "max"), (torch.float16, "max")],
     ids=["bf16-prefix1", "bf16-prefixmax", "fp16-prefixmax"],
 )
 @pytest.mark.parametrize("page,head_dim,heads", SHAPES, ids=SHAPE_IDS)

@@ -59,8 +59,10 @@ def test_runner_takes_cascade_for_a_shared_prefix_and_matches_plain_decode():
                 layer.self_attn.attn.ops = ops
             layers.append(len(runner.model.model.layers))
         shared = list(range(prefix_blocks))  # the prefix's blocks, in every table (as prefix-cache hits)
-        first = [SeqStep(f"s{i}", p, 0, True, 0, shared + [prefix_blocks + 2 * i, prefix_blocks + 2 * i + 1], params, p)
-                 for i, p in enumerate(prompts)]
+        first = [
+            SeqStep(f"s{i}", p, 0, True, 0, shared + [prefix_blocks + 2 * i, prefix_blocks + 2 * i + 1], params, p)
+            for i, p in enumerate(prompts)
+        ]
         got = {t.seq_id: [t.token_id] for t in runner.step(StepInput(seqs=first)).sampled}
         for k in range(1, steps):
             seqs = [SeqStep(f"s{i}", [PLACEHOLDER], len(p) + k - 1, True) for i, p in enumerate(prompts)]

@@ -17,13 +17,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton_cascade import CascadeConfig, StepKV, cascade_decode_attention_store, cascade_with_config, fuses_store
+from kernels.triton_cascade import (
+    CascadeConfig,
+    StepKV,
+    cascade_decode_attention_store,
+    cascade_with_config,
+    fuses_store,
+)
 from kernels.triton_decode import DecodeConfig
 from kernels.triton_fused import qk_norm_rope_store
 from kernels.triton_prefill import PrefillConfig
 from model_svc.layers import RotaryEmbedding
 from tests.kernels.test_cascade import make_shared_prefix_kv
 from tests.kernels.test_fused import _qkv_views, _randn
+
 
 def assert_same(got: torch.Tensor, want: torch.Tensor, cache: bool) -> None:
     """Bit for bit (NaN where NaN) under the interpreter. On a GPU: a cache within one ulp and
@@ -40,8 +47,10 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, cache: bool) -> None:
         assert same.float().mean() > 0.97, f"{(~same).sum()} of {same.numel()} elements differ"
 
 
-SMALL = CascadeConfig(PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, split_p=True),
-                      DecodeConfig(block_n=16, num_warps=4, num_stages=1))
+SMALL = CascadeConfig(
+    PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, split_p=True),
+    DecodeConfig(block_n=16, num_warps=4, num_stages=1),
+)
 
 
 def _step(lens, prefix_blocks, hq, hkv, head_dim, dtype, device, qk_norm, skip_seq=None):
@@ -49,7 +58,9 @@ def _step(lens, prefix_blocks, hq, hkv, head_dim, dtype, device, qk_norm, skip_s
     slot (-1 for skip_seq, whose last token is then already in the cache)."""
     gen = torch.Generator().manual_seed(hq * 100 + head_dim + prefix_blocks)
     page = 4
-    k_cache, v_cache, tables, seq_lens = make_shared_prefix_kv(lens, prefix_blocks, hkv, head_dim, page, dtype, device, gen)
+    k_cache, v_cache, tables, seq_lens = make_shared_prefix_kv(
+        lens, prefix_blocks, hkv, head_dim, page, dtype, device, gen
+    )
     batch = len(lens)
     last = seq_lens.long() - 1
     slots = tables[torch.arange(batch, device=device), last // page].long() * page + last % page
@@ -72,23 +83,40 @@ def _step(lens, prefix_blocks, hq, hkv, head_dim, dtype, device, qk_norm, skip_s
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads", [(4, 2), (6, 2), (2, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
-@pytest.mark.parametrize("prefix_blocks,num_chunks,qk_norm", [(3, 2, True), (3, 1, False), (0, None, True), (2, 3, True)])
+@pytest.mark.parametrize(
+    "prefix_blocks,num_chunks,qk_norm", [(3, 2, True), (3, 1, False), (0, None, True), (2, 3, True)]
+)
 def test_fused_store_matches_separate_launches(device, dtype, heads, prefix_blocks, num_chunks, qk_norm):
     hq, hkv = heads
     head_dim = 16
     lens = [prefix_blocks * 4 + n for n in (1, 6, 9, 3, 13, 2)]
-    q, step, k_cache, v_cache, tables, seq_lens = _step(lens, prefix_blocks, hq, hkv, head_dim, dtype, device, qk_norm, skip_seq=None if qk_norm else 3)
+    q, step, k_cache, v_cache, tables, seq_lens = _step(
+        lens, prefix_blocks, hq, hkv, head_dim, dtype, device, qk_norm, skip_seq=None if qk_norm else 3
+    )
     prefix = torch.tensor([prefix_blocks], dtype=torch.int32, device=device)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     scale = head_dim**-0.5
 
     (k1, v1), (k2, v2) = caches
-    q_normed = qk_norm_rope_store(q, step.k, step.v, step.positions, step.cos_sin_cache, step.q_norm_weight,
-                                  step.k_norm_weight, step.eps, k1, v1, step.slot_mapping)
-    want = cascade_with_config(q_normed, k1, v1, tables, seq_lens, scale, prefix, tables.shape[1], config=SMALL,
-                               num_chunks=num_chunks)
-    got = cascade_with_config(q, k2, v2, tables, seq_lens, scale, prefix, tables.shape[1], config=SMALL,
-                              num_chunks=num_chunks, store=step)
+    q_normed = qk_norm_rope_store(
+        q,
+        step.k,
+        step.v,
+        step.positions,
+        step.cos_sin_cache,
+        step.q_norm_weight,
+        step.k_norm_weight,
+        step.eps,
+        k1,
+        v1,
+        step.slot_mapping,
+    )
+    want = cascade_with_config(
+        q_normed, k1, v1, tables, seq_lens, scale, prefix, tables.shape[1], config=SMALL, num_chunks=num_chunks
+    )
+    got = cascade_with_config(
+        q, k2, v2, tables, seq_lens, scale, prefix, tables.shape[1], config=SMALL, num_chunks=num_chunks, store=step
+    )
     assert not got.isnan().any()
     assert_same(got, want, cache=False)
     assert_same(k2, k1, cache=True)
@@ -101,8 +129,19 @@ def test_public_entry_point_and_head_dims(device):
     q, step, k_cache, v_cache, tables, seq_lens = _step(lens, 2, 4, 2, 32, torch.float32, device, True)
     prefix = torch.tensor([2], dtype=torch.int32, device=device)
     k1, v1 = k_cache.clone(), v_cache.clone()
-    q_normed = qk_norm_rope_store(q, step.k, step.v, step.positions, step.cos_sin_cache, step.q_norm_weight,
-                                  step.k_norm_weight, step.eps, k1, v1, step.slot_mapping)
+    q_normed = qk_norm_rope_store(
+        q,
+        step.k,
+        step.v,
+        step.positions,
+        step.cos_sin_cache,
+        step.q_norm_weight,
+        step.k_norm_weight,
+        step.eps,
+        k1,
+        v1,
+        step.slot_mapping,
+    )
     want = cascade_with_config(q_normed, k1, v1, tables, seq_lens, 0.2, prefix, 2)
     got = cascade_decode_attention_store(q, step, k_cache, v_cache, tables, seq_lens, 0.2, prefix, 2)
     assert_same(got, want, cache=False)

@@ -142,7 +142,9 @@ def _written_rows(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm-rope"])
-@pytest.mark.parametrize("head_dim,heads", [(8, (2, 2)), (64, (4, 2)), (8, (4, 2)), (64, (2, 2)), (80, (2, 1)), (16, (16, 8))])
+@pytest.mark.parametrize(
+    "head_dim,heads", [(8, (2, 2)), (64, (4, 2)), (8, (4, 2)), (64, (2, 2)), (80, (2, 1)), (16, (16, 8))]
+)
 @pytest.mark.parametrize("padded", [False, True], ids=["dense-cache", "strided-cache"])
 def test_qk_norm_rope_store(device, dtype, qk_norm, head_dim, heads, padded):
     torch.manual_seed(head_dim + heads[0])
@@ -230,14 +232,28 @@ def test_empty_batch(device):
     assert rms_norm(x, weight, 1e-6, x)[0].shape == (0, 32)
     assert silu_and_mul(x).shape == (0, 16)
     cache = RotaryEmbedding(8, 16, 10000.0).cos_sin_cache.to(device)
-    q, k = qk_norm_rope(torch.empty(0, 2, 8, device=device), torch.empty(0, 1, 8, device=device),
-                        torch.empty(0, dtype=torch.int64, device=device), cache)
+    q, k = qk_norm_rope(
+        torch.empty(0, 2, 8, device=device),
+        torch.empty(0, 1, 8, device=device),
+        torch.empty(0, dtype=torch.int64, device=device),
+        cache,
+    )
     assert q.shape == (0, 2, 8) and k.shape == (0, 1, 8)
     kv_cache = torch.full((2, 4, 1, 8), 3.0, device=device)
     empty_heads = torch.empty(0, 1, 8, device=device)
-    q = qk_norm_rope_store(torch.empty(0, 2, 8, device=device), empty_heads, empty_heads,
-                           torch.empty(0, dtype=torch.int64, device=device), cache, None, None, 0.0,
-                           kv_cache, kv_cache, torch.empty(0, dtype=torch.int64, device=device))
+    q = qk_norm_rope_store(
+        torch.empty(0, 2, 8, device=device),
+        empty_heads,
+        empty_heads,
+        torch.empty(0, dtype=torch.int64, device=device),
+        cache,
+        None,
+        None,
+        0.0,
+        kv_cache,
+        kv_cache,
+        torch.empty(0, dtype=torch.int64, device=device),
+    )
     assert q.shape == (0, 2, 8) and (kv_cache == 3.0).all()
 
 
@@ -257,6 +273,7 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
         def counted(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
+
         return counted
 
     for name in fused_names:  # count launches: every layer must take the fused path, not just hold it
@@ -274,8 +291,10 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
     config = ModelConfig.from_hf_config(tiny_hf_config("qwen3", head_dim=32, intermediate_size=96))
     triton_ops = select_ops(device, "triton")
     triton_ops = dataclasses.replace(triton_ops, store_kvcache=counting(triton_ops.store_kvcache, "store_kvcache"))
-    models = {name: build_random_model(config, dtype, device, seed=3, ops=ops, std=0.1)
-              for name, ops in (("torch", REFERENCE_OPS), ("triton", triton_ops))}
+    models = {
+        name: build_random_model(config, dtype, device, seed=3, ops=ops, std=0.1)
+        for name, ops in (("torch", REFERENCE_OPS), ("triton", triton_ops))
+    }
     # The same weights: a 16-bit model on the Triton ops folds its norm weights into the
     # projections at load (for the deferred norms), the torch one is given them folded too.
     assert models["triton"].model.norms_folded == (dtype != torch.float32)
@@ -283,13 +302,27 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
         models["torch"].fold_norm_weights(force=True)
     assert models["triton"].model.layers[0].self_attn.fused_qk_norm_rope_store is not None
     assert models["torch"].model.layers[0].self_attn.fused_qk_norm_rope_store is None
-    sims = {name: PagedSim(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-                           num_blocks=16, block_size=8, dtype=dtype, device=str(device)) for name in models}
+    sims = {
+        name: PagedSim(
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+            num_blocks=16,
+            block_size=8,
+            dtype=dtype,
+            device=str(device),
+        )
+        for name in models
+    }
     layers = config.num_hidden_layers
     # a prefill and decodes of two rows and one through the cache (K/V stored by the fused
     # kernel, no separate store), then a profiling forward without one (q/k rotated, K/V used directly)
-    steps = [([(0, list(range(5, 16))), (1, [7, 8, 9])], True), ([(0, [3]), (1, [4])], True), ([(1, [5])], True),
-             ([(2, [1, 2, 3, 4])], False)]
+    steps = [
+        ([(0, list(range(5, 16))), (1, [7, 8, 9])], True),
+        ([(0, [3]), (1, [4])], True),
+        ([(1, [5])], True),
+        ([(2, [1, 2, 3, 4])], False),
+    ]
     for new_tokens, with_cache in steps:
         hidden = {}
         for name, model in models.items():
@@ -305,10 +338,16 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
             # up to four rows: o and down by gemv where they narrow (use_gemv's rule), the norms,
             # q|k|v and gate|up as at any batch
             layer0 = models["triton"].model.layers[0]
-            narrows = [triton_linear.use_gemv(torch.zeros((rows, w.shape[1]), dtype=dtype), w)
-                       for w in (layer0.self_attn.o_proj.weight, layer0.mlp.down_proj.weight)]
-            projections = {"gemv": sum(narrows) * layers, "rms_norm_gemv": 0,
-                           "silu_and_mul": 0 if narrows[1] else layers, "rms_norm": 2 * layers + 1}
+            narrows = [
+                triton_linear.use_gemv(torch.zeros((rows, w.shape[1]), dtype=dtype), w)
+                for w in (layer0.self_attn.o_proj.weight, layer0.mlp.down_proj.weight)
+            ]
+            projections = {
+                "gemv": sum(narrows) * layers,
+                "rms_norm_gemv": 0,
+                "silu_and_mul": 0 if narrows[1] else layers,
+                "rms_norm": 2 * layers + 1,
+            }
         else:
             projections = {"gemv": 0, "rms_norm_gemv": 0, "silu_and_mul": layers, "rms_norm": 2 * layers + 1}
         assert calls == {**dict.fromkeys(calls, 0), **projections, **fused_rope}

@@ -118,8 +118,16 @@ def test_select_ops_by_name():
 
 @pytest.mark.parametrize(
     "batch,kv_heads,max_len,expected",
-    [(1, 8, 32768, 33), (1, 8, 1024, 16), (8, 8, 32768, 4), (16, 8, 8192, 2), (32, 8, 8192, 1), (256, 8, 32768, 1),
-     (1, 1, 32768, 256), (3, 2, 100, 2)],
+    [
+        (1, 8, 32768, 33),
+        (1, 8, 1024, 16),
+        (8, 8, 32768, 4),
+        (16, 8, 8192, 2),
+        (32, 8, 8192, 1),
+        (256, 8, 32768, 1),
+        (1, 1, 32768, 256),
+        (3, 2, 100, 2),
+    ],
 )
 def test_pick_num_splits_fills_the_gpu(batch, kv_heads, max_len, expected):
     """About two programs per SM of an H200, never a split shorter than one 64-token tile."""
@@ -184,7 +192,9 @@ DECODE_BATCHES = {"b1": [77], "ragged": [1, 16, 33, 100, 64, 5]}
 def run_decode_case(device, dtype, lens, block_size, head_dim, heads, seed=3, **kwargs):
     gen = torch.Generator().manual_seed(seed)
     num_q_heads, num_kv_heads = heads
-    k_cache, v_cache, block_tables, seq_lens = make_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, device, gen)
+    k_cache, v_cache, block_tables, seq_lens = make_paged_kv(
+        lens, num_kv_heads, head_dim, block_size, dtype, device, gen
+    )
     q = make_query(len(lens), num_q_heads, num_kv_heads, head_dim, dtype, device, gen)
     scale = 1.0 / math.sqrt(head_dim)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
@@ -250,8 +260,9 @@ def test_decode_last_split_combines_and_resets_its_counter(device, num_splits, h
     k_cache, v_cache, block_tables, seq_lens = make_paged_kv(lens, num_kv_heads, 64, 16, torch.float32, device, gen)
     seq_lens[2] = 0
     q = make_query(5, num_q_heads, num_kv_heads, 64, torch.float32, device, gen)
-    out = decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, 0.125, num_splits=num_splits,
-                             out=nan_like(q.contiguous()))
+    out = decode_with_config(
+        q, k_cache, v_cache, block_tables, seq_lens, 0.125, num_splits=num_splits, out=nan_like(q.contiguous())
+    )
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     real = torch.tensor([0, 1, 3, 4], device=device)
     ref = paged_decode_attention_ref(q[real], k_cache, v_cache, block_tables[real], seq_lens[real], 0.125)
@@ -260,8 +271,9 @@ def test_decode_last_split_combines_and_resets_its_counter(device, num_splits, h
     counters = triton_decode._ARRIVAL_COUNTERS[q.device]
     assert counters.dtype == torch.int32 and counters.numel() >= triton_decode.MIN_ARRIVAL_COUNTERS
     assert not counters.any()
-    again = decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, 0.125, num_splits=num_splits,
-                               out=nan_like(q.contiguous()))
+    again = decode_with_config(
+        q, k_cache, v_cache, block_tables, seq_lens, 0.125, num_splits=num_splits, out=nan_like(q.contiguous())
+    )
     assert torch.equal(again, out)
     assert not counters.any()
 
@@ -298,7 +310,9 @@ def run_prefill_case(device, dtype, batch, block_size, head_dim, heads, seed=5, 
     num_q_heads, num_kv_heads = heads
     q_lens, cached = PREFILL_BATCHES[batch] if isinstance(batch, str) else batch
     lens = [c + n for c, n in zip(cached, q_lens)]
-    k_cache, v_cache, block_tables, seq_lens = make_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, device, gen)
+    k_cache, v_cache, block_tables, seq_lens = make_paged_kv(
+        lens, num_kv_heads, head_dim, block_size, dtype, device, gen
+    )
     cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(device, torch.int32)
     q = make_query(sum(q_lens), num_q_heads, num_kv_heads, head_dim, dtype, device, gen)
     scale = 1.0 / math.sqrt(head_dim)
@@ -318,8 +332,14 @@ def test_prefill_matches_reference(device, dtype, batch, block_size, head_dim, h
 
 @pytest.mark.parametrize(
     "config",
-    [PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(32, 16, 4, 2), PrefillConfig(16, 32, 4, 2),
-     PrefillConfig(16, 16, 4, 1, pack_gqa=True), PrefillConfig(32, 16, 4, 2, pack_gqa=True)],
+    [
+        PrefillConfig(128, 64, 8, 3),
+        PrefillConfig(64, 64, 4, 3),
+        PrefillConfig(32, 16, 4, 2),
+        PrefillConfig(16, 32, 4, 2),
+        PrefillConfig(16, 16, 4, 1, pack_gqa=True),
+        PrefillConfig(32, 16, 4, 2, pack_gqa=True),
+    ],
     ids=["128x64", "64x64", "32x16", "16x32", "16x16-packed", "32x16-packed"],
 )
 def test_prefill_other_tile_configs(device, config):
@@ -343,8 +363,16 @@ def test_prefill_tiles_follow_the_longest_new_token_run(monkeypatch):
 
     monkeypatch.setattr(tp, "interpreting", lambda: False)
     bf16 = torch.bfloat16
-    assert tp.default_prefill_config(bf16, 128, 32) == tp.default_prefill_config(bf16, 128, 64) == PrefillConfig(64, 64, 4, 3, pack_gqa=True)
-    assert tp.default_prefill_config(bf16, 128, 65) == tp.default_prefill_config(bf16, 128, 0) == PrefillConfig(128, 128, 8, 3)
+    assert (
+        tp.default_prefill_config(bf16, 128, 32)
+        == tp.default_prefill_config(bf16, 128, 64)
+        == PrefillConfig(64, 64, 4, 3, pack_gqa=True)
+    )
+    assert (
+        tp.default_prefill_config(bf16, 128, 65)
+        == tp.default_prefill_config(bf16, 128, 0)
+        == PrefillConfig(128, 128, 8, 3)
+    )
     assert tp.default_prefill_config(torch.float32, 128, 32).block_m == 32
     monkeypatch.setattr(tp, "interpreting", lambda: True)
     assert tp.default_prefill_config(bf16, 128, 32).block_m == 16
@@ -373,13 +401,15 @@ def test_bf16_attention_rounds_like_the_fp32_reference(device, kernel):
         q = make_query(len(lens), *heads, head_dim, torch.bfloat16, device, gen)
         ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
         run = lambda split: decode_with_config(  # noqa: E731
-            q, k_cache, v_cache, block_tables, seq_lens, scale, DecodeConfig(16, 4, 3, split_p=split), num_splits=3)
+            q, k_cache, v_cache, block_tables, seq_lens, scale, DecodeConfig(16, 4, 3, split_p=split), num_splits=3
+        )
     else:
         cu = torch.tensor([0, 20, 40], dtype=torch.int32, device=device)
         q = make_query(40, *heads, head_dim, torch.bfloat16, device, gen)
         ref = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu, seq_lens, scale)
         run = lambda split: prefill_with_config(  # noqa: E731
-            q, k_cache, v_cache, block_tables, cu, seq_lens, scale, PrefillConfig(16, 16, 4, 1, split_p=split))
+            q, k_cache, v_cache, block_tables, cu, seq_lens, scale, PrefillConfig(16, 16, 4, 1, split_p=split)
+        )
     split, single = run(True), run(False)
     # one ulp of the larger of the two, or 2^-16 absolute where the average cancels to ~0
     ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(ref.float().abs(), split.float().abs()).clamp(min=2**-9)

@@ -10,7 +10,14 @@ import torch
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kvcache_ref
 from kernels.triton_ops import TRITON_OPS, store_kvcache
-from tests.kernels.test_kernels import assert_matches, make_paged_kv, make_query, needs_cuda, run_decode_case, run_prefill_case
+from tests.kernels.test_kernels import (
+    assert_matches,
+    make_paged_kv,
+    make_query,
+    needs_cuda,
+    run_decode_case,
+    run_prefill_case,
+)
 
 # (block size, head dim, (query heads, KV heads)) of production models
 PRODUCTION_SHAPES = [(16, 128, (32, 8)), (64, 128, (32, 8)), (8, 256, (16, 2)), (128, 80, (8, 8))]

@@ -32,8 +32,12 @@ def test_sampled_rows_follow_softmax_over_temperature(device, temperature):
     row = torch.full((7,), float("nan"))
     row[ORDER] = PROBS.log()
     logits = row.expand(draws, 7).contiguous().to(device, torch.bfloat16)
-    tokens = gumbel_sample(logits, torch.full((draws,), temperature, device=device),
-                           torch.zeros(draws, dtype=torch.bool, device=device), seed=12345)
+    tokens = gumbel_sample(
+        logits,
+        torch.full((draws,), temperature, device=device),
+        torch.zeros(draws, dtype=torch.bool, device=device),
+        seed=12345,
+    )
     freq = (torch.bincount(tokens.cpu(), minlength=7).float() / draws)[ORDER]
     # bf16 logits of log(PROBS): the target is the softmax of what the kernel reads
     expected = torch.softmax(row[ORDER].to(torch.bfloat16).float() / temperature, 0)
@@ -63,7 +67,9 @@ def test_seed_read_from_device_memory_draws_as_the_int(device, num_chunks):
         out = torch.full((6,), -1, dtype=torch.int64, device=device)
         got = gumbel_sample(x, temperature, greedy, torch.tensor([seed], device=device), num_chunks=num_chunks, out=out)
         assert got is out and torch.equal(got, want)
-    assert not torch.equal(want, gumbel_sample(x, temperature, greedy, torch.tensor([7], device=device), num_chunks=num_chunks))
+    assert not torch.equal(
+        want, gumbel_sample(x, temperature, greedy, torch.tensor([7], device=device), num_chunks=num_chunks)
+    )
 
 
 @pytest.mark.parametrize("num_chunks", [2, 3, 5])
@@ -107,9 +113,14 @@ def test_sampler_takes_the_kernel_only_for_plain_temperature_rows():
     sampler(logits, _batch(plain))
     sampler(logits, _batch(plain))
     assert len(calls) == 2 and calls[0] != calls[1]  # a new seed every step
-    for other in ([SamplingParams(temperature=0.7, top_p=0.9)], [SamplingParams(temperature=0.7, top_k=5)],
-                  [SamplingParams(temperature=0.7, min_p=0.1)], [SamplingParams(temperature=0.7, logprobs=1)],
-                  [SamplingParams(temperature=0.7, presence_penalty=0.5)], [SamplingParams(temperature=0)]):
+    for other in (
+        [SamplingParams(temperature=0.7, top_p=0.9)],
+        [SamplingParams(temperature=0.7, top_k=5)],
+        [SamplingParams(temperature=0.7, min_p=0.1)],
+        [SamplingParams(temperature=0.7, logprobs=1)],
+        [SamplingParams(temperature=0.7, presence_penalty=0.5)],
+        [SamplingParams(temperature=0)],
+    ):
         sampler(logits[:1], _batch(other))
     sampler(logits[:1], _batch([SamplingParams(temperature=0.7, seed=3)], [make_generator(3, "cpu")]))
     assert len(calls) == 2  # none of those took the kernel
@@ -158,5 +169,7 @@ def test_decode_graphs_sampling_body(device):
     assert torch.equal(want[[1, 3]], logits[[1, 3]].argmax(-1))  # greedy rows
     last = g.last_token.cpu()
     assert last[[3, 9, 0, 15, 7]].tolist() == want[:n].tolist()
-    assert last[16].item() in want[n:].tolist() and last[[r for r in range(16) if r not in (3, 9, 0, 15, 7)]].eq(-5).all()
+    assert (
+        last[16].item() in want[n:].tolist() and last[[r for r in range(16) if r not in (3, 9, 0, 15, 7)]].eq(-5).all()
+    )
     assert np.all(h.rows[n:bucket] == 16)

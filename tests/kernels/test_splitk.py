@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_decode import arrival_counters
 from kernels.reference import rms_norm_ref
+from kernels.triton_decode import arrival_counters
 from kernels.triton_splitk import splitk_add_residual, splitk_config, splitk_linear, use_splitk_linear
 from tests.kernels.test_linear import DTYPES, check
 
@@ -17,7 +17,13 @@ from tests.kernels.test_linear import DTYPES, check
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "m,n,k,split,bias",
-    [(64, 48, 256, 4, False), (40, 33, 200, 3, True), (33, 16, 96, None, False), (17, 20, 100, 2, True), (5, 24, 64, 1, False)],
+    [
+        (64, 48, 256, 4, False),
+        (40, 33, 200, 3, True),
+        (33, 16, 96, None, False),
+        (17, 20, 100, 2, True),
+        (5, 24, 64, 1, False),
+    ],
 )
 def test_splitk_linear_matches_f_linear(device, dtype, m, n, k, split, bias):
     """Partial output tiles (33 of 16 columns), K slices ending inside a step (200 in three

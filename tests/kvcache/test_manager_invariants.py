@@ -9,6 +9,7 @@ from kvcache_svc.block_pool import BlockOpError
 
 from .common import make, run_prompt
 
+
 def _busy_manager() -> KVCacheManager:
     mgr = make(num_device=16, num_host=8)
     run_prompt(mgr, "a", list(range(10)))

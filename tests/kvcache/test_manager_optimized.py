@@ -5,6 +5,7 @@ in this process and again in a `python -O` child."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from collections.abc import Callable
@@ -63,7 +64,7 @@ def check_bad_ops_change_nothing() -> None:
     for what, op in BAD_OPS:
         mgr = _busy()
         before = snapshot(mgr)
-        _expect(BlockOpError, lambda: op(mgr), what)
+        _expect(BlockOpError, functools.partial(op, mgr), what)
         if snapshot(mgr) != before:
             raise RuntimeError(f"{what}: refused, but the state changed")
         mgr.check_invariants()

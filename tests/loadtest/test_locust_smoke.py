@@ -28,13 +28,36 @@ def test_locust_headless_smoke(stack, tmp_path):
     if locust is None:
         pytest.skip("locust is not installed")
     prefix = tmp_path / "run"
-    cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless", "-u", "6", "-r", "6",
-           "-t", "20s", "--host", stack.addr["scheduler"], "--csv", str(prefix), "--only-summary", "--workload", "shared_prefix",
-           "--stop-timeout", "10", "--exit-code-on-error", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(REPO / "loadtest" / "locustfile.py"),
+        "--headless",
+        "-u",
+        "6",
+        "-r",
+        "6",
+        "-t",
+        "20s",
+        "--host",
+        stack.addr["scheduler"],
+        "--csv",
+        str(prefix),
+        "--only-summary",
+        "--workload",
+        "shared_prefix",
+        "--stop-timeout",
+        "10",
+        "--exit-code-on-error",
+        "0",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {row["Name"]: row for row in csv.DictReader(open(f"{prefix}_stats.csv"))}
+    with open(f"{prefix}_stats.csv") as stats:
+        rows = {row["Name"]: row for row in csv.DictReader(stats)}
     assert int(rows["Generate"]["Request Count"]) > 0, rows
     for name in ("Generate", "TTFT", "ITL", "Aggregated"):
         assert int(rows[name]["Failure Count"]) == 0, (name, rows[name], proc.stderr[-2000:])

@@ -16,8 +16,13 @@ def test_host_image_reads_back_as_the_typed_views_after_one_copy():
     host.pad(0, max_batch)
     rng = np.random.default_rng(0)
     n = 13
-    want = [rng.integers(-1, 2**40, n), rng.integers(0, 2**31, n), rng.integers(-1, 2**33, n), rng.integers(0, 4096, n),
-            rng.integers(1, 2**31 - 1, n).astype(np.int32)]
+    want = [
+        rng.integers(-1, 2**40, n),
+        rng.integers(0, 2**31, n),
+        rng.integers(-1, 2**33, n),
+        rng.integers(0, 4096, n),
+        rng.integers(1, 2**31 - 1, n).astype(np.int32),
+    ]
     for field, values in zip(host, want):
         field[:n] = values
     host.prefix_blocks[0] = 77
@@ -79,7 +84,9 @@ def test_replay_decode_writes_what_the_graphs_read():
     g.sample_graphs = {k: _Graph(k, sample_log) for k in keys}
 
     def step(n, common, sampling=None):
-        tables = np.stack([np.r_[np.arange(common), 100 + 10 * i + np.arange(width - common - 4)] for i in range(n)]).astype(np.int32)
+        tables = np.stack(
+            [np.r_[np.arange(common), 100 + 10 * i + np.arange(width - common - 4)] for i in range(n)]
+        ).astype(np.int32)
         positions = [shared * bs + 3 + i for i in range(n)]
         tokens = [PLACEHOLDER if i % 2 else 7 + i for i in range(n)]
         rows = [40 - i for i in range(n)]

@@ -63,7 +63,10 @@ def test_eos_ids_merge_generation_config(tmp_path):
     "scaling",
     [
         dict(
-            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
             original_max_position_embeddings=256,
         ),
         dict(rope_type="linear", factor=2.0),

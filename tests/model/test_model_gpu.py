@@ -25,14 +25,20 @@ def _ops(name: str):
 @torch.no_grad()
 def _paged_logits(model, config, seqs: list[list[int]], chunk: int) -> list[torch.Tensor]:
     """Prefill every sequence in chunks of `chunk` tokens (all sequences per step)."""
-    sim = PagedSim(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-                   num_blocks=256, dtype=next(model.parameters()).dtype, device="cuda")
+    sim = PagedSim(
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.head_dim,
+        num_blocks=256,
+        dtype=next(model.parameters()).dtype,
+        device="cuda",
+    )
     outs: list[list[torch.Tensor]] = [[] for _ in seqs]
     for start in range(0, max(map(len, seqs)), chunk):
         step = [(i, s[start : start + chunk]) for i, s in enumerate(seqs) if start < len(s)]
         ids, positions, attn = sim.step(step)
         logits = model.compute_logits(model(ids, positions, sim.kv_caches, attn))
-        for (i, toks), part in zip(step, logits.split([len(t) for _, t in step])):
+        for (i, _), part in zip(step, logits.split([len(t) for _, t in step])):
             outs[i].append(part)
     return [torch.cat(o) for o in outs]
 

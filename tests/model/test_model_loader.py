@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from kernels.ops import REFERENCE_OPS
 from contracts.tokenizer import load_tokenizer
+from kernels.ops import REFERENCE_OPS
 from model_svc.config import ModelConfig
 from model_svc.loader import (
     BUNDLED_MODEL_DIR,

@@ -15,7 +15,9 @@ from model_svc.runner import ModelRunner
 BS = 16
 
 
-def _meta(starts: list[int], lens: list[int], tables: list[list[int]], device) -> tuple[torch.Tensor, AttentionMetadata]:
+def _meta(
+    starts: list[int], lens: list[int], tables: list[list[int]], device
+) -> tuple[torch.Tensor, AttentionMetadata]:
     """positions and metadata of a batch: sequence b feeds lens[b] tokens from position starts[b]."""
     pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
     seq = np.repeat(np.arange(len(lens)), lens)
@@ -24,8 +26,10 @@ def _meta(starts: list[int], lens: list[int], tables: list[list[int]], device) -
     slots = table[seq, pos // BS].astype(np.int64) * BS + pos % BS
     as_t = lambda a, dt: torch.tensor(np.asarray(a), dtype=dt, device=device)  # noqa: E731
     meta = AttentionMetadata(
-        slot_mapping=as_t(slots, torch.long), block_tables=as_t(table, torch.int32),
-        seq_lens=as_t(np.add(starts, lens), torch.int32), cu_seqlens_q=as_t(np.cumsum([0, *lens]), torch.int32),
+        slot_mapping=as_t(slots, torch.long),
+        block_tables=as_t(table, torch.int32),
+        seq_lens=as_t(np.add(starts, lens), torch.int32),
+        cu_seqlens_q=as_t(np.cumsum([0, *lens]), torch.int32),
         is_decode=False,
     )
     return as_t(pos, torch.long), meta
@@ -36,8 +40,14 @@ def _two_steps(device: str, dtype: str, piecewise) -> tuple[list[torch.Tensor], 
     first sequence (20 cached) and one decode row of a third. `piecewise(runner)` returns the
     forward used for the second step. Returns both steps' hidden states and the caches."""
     torch.manual_seed(0)
-    runner = ModelRunner(str(BUNDLED_MODEL_DIR), device=device, dtype=dtype, num_device_blocks=16,
-                         kernel_backend="triton", enforce_eager=True)
+    runner = ModelRunner(
+        str(BUNDLED_MODEL_DIR),
+        device=device,
+        dtype=dtype,
+        num_device_blocks=16,
+        kernel_backend="triton",
+        enforce_eager=True,
+    )
     model, caches = runner.model, runner.pools.layer_caches
     model.model.layers = model.model.layers[:2]  # two layers are enough (interpreter time)
     for k, v in caches:  # poison: a slot written by mistake shows
@@ -71,7 +81,9 @@ def test_pieces_run_eagerly_equal_the_forward():
 
     want_h, want_c = _two_steps("cpu", "float32", eager)
     got_h, got_c = _two_steps("cpu", "float32", pieces)
-    assert not supports_piecewise(ModelRunner(str(BUNDLED_MODEL_DIR), device="cpu", num_device_blocks=4).model)  # torch ops
+    assert not supports_piecewise(
+        ModelRunner(str(BUNDLED_MODEL_DIR), device="cpu", num_device_blocks=4).model
+    )  # torch ops
     _assert_same(got_h, want_h, exact=True)
     _assert_same(got_c, want_c, exact=True)
 

@@ -18,7 +18,9 @@ def greedy(order: list[str], steps: int = 6) -> dict[str, list[int]]:
     runner = ModelRunner(str(BUNDLED_MODEL_DIR), device="cpu", num_device_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=steps)
     tables = {"a": [5, 1], "b": [9, 2], "c": [0, 7]}  # 16-token blocks: room for every token
-    out = runner.step(StepInput(seqs=[SeqStep(s, PROMPTS[s], 0, True, 0, tables[s], params, PROMPTS[s]) for s in order]))
+    out = runner.step(
+        StepInput(seqs=[SeqStep(s, PROMPTS[s], 0, True, 0, tables[s], params, PROMPTS[s]) for s in order])
+    )
     got = {t.seq_id: [t.token_id] for t in out.sampled}
     for _ in range(steps - 1):
         seqs = [SeqStep(s, [got[s][-1]], len(PROMPTS[s]) + len(got[s]) - 1, True) for s in order]
@@ -49,7 +51,11 @@ def test_placeholders_take_each_sequence_latest_sample_with_steps_ahead():
     runner = ModelRunner(str(BUNDLED_MODEL_DIR), device="cpu", num_device_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=6)
     tables = {"a": [5, 1], "b": [9, 2], "c": [0, 7]}
-    launched = [runner.launch(StepInput(seqs=[SeqStep(s, PROMPTS[s], 0, True, 0, tables[s], params, PROMPTS[s]) for s in PROMPTS]))]
+    launched = [
+        runner.launch(
+            StepInput(seqs=[SeqStep(s, PROMPTS[s], 0, True, 0, tables[s], params, PROMPTS[s]) for s in PROMPTS])
+        )
+    ]
     fed = {s: len(PROMPTS[s]) for s in PROMPTS}  # next position to feed
     for k in range(5):
         live = [s for s in PROMPTS if not (s == "c" and k == 1)]  # "c" sits out one step

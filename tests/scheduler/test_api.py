@@ -12,7 +12,10 @@ import pytest
 from scheduler_svc import LLM, AsyncLLM, SamplingParams
 from scheduler_svc.cli import main as cli_main
 
-STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball."
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+    "One day, she saw a big, red ball."
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,29 +34,44 @@ def test_cli_generate_prints_the_story(capsys):
     assert capsys.readouterr().out.strip() == STORY
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["generate", "x", "--model", "/no/such/model/dir"], "model directory not found"),
-    (["generate", "x", "--top-p", "2"], "top_p"),
-    (["generate", "x", "--max-tokens", "0"], "max_tokens"),
-    (["generate", "x", "--temperature", "-1"], "temperature"),
-    (["generate", "x", "--max-tokens", "abc"], "invalid int value"),
-    (["generate", "x", "--block-size", "12"], "block_size"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["generate", "x", "--model", "/no/such/model/dir"], "model directory not found"),
+        (["generate", "x", "--top-p", "2"], "top_p"),
+        (["generate", "x", "--max-tokens", "0"], "max_tokens"),
+        (["generate", "x", "--temperature", "-1"], "temperature"),
+        (["generate", "x", "--max-tokens", "abc"], "invalid int value"),
+        (["generate", "x", "--block-size", "12"], "block_size"),
+    ],
+)
 def test_cli_errors_are_one_line(argv, needle):
-    proc = subprocess.run([sys.executable, "-m", "scheduler_svc.cli", *argv], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "scheduler_svc.cli", *argv], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------------ validation
-@pytest.mark.parametrize("kwargs, field", [
-    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"presence_penalty": 3.0}, "presence_penalty"),
-    ({"frequency_penalty": -3.0}, "frequency_penalty"), ({"logprobs": -1}, "logprobs"), ({"stop": [""]}, "stop"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
 def test_sampling_params_name_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -115,7 +133,7 @@ def test_text_streams_in_deltas_that_add_up(llm):
             if out.request_id == request_id:
                 deltas.append(out.delta_text)
                 final = out
-    assert "".join(deltas) == final.text == STORY[len("Once upon a time"):]
+    assert "".join(deltas) == final.text == STORY[len("Once upon a time") :]
 
 
 def test_abort_frees_blocks(llm):
@@ -139,7 +157,7 @@ def test_async_llm_streams_and_cancel_frees_blocks(llm):
         texts = []
         async for out in async_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40)):
             texts.append(out.delta_text)
-        assert "".join(texts) == STORY[len("Once upon a time"):]
+        assert "".join(texts) == STORY[len("Once upon a time") :]
         # A consumer that goes away aborts its request.
         agen = async_llm.generate("Lily and Tom", SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
         await agen.__anext__()

@@ -10,7 +10,13 @@ import grpc
 import pytest
 
 from contracts.auth import (
-    Credentials, SecretError, TokenAuthInterceptor, call_metadata, mask_url, read_secret, url_has_credentials,
+    Credentials,
+    SecretError,
+    TokenAuthInterceptor,
+    call_metadata,
+    mask_url,
+    read_secret,
+    url_has_credentials,
 )
 from contracts.errors import InvalidArgument, Unavailable, public_message
 from contracts.service_config import ServiceConfig, load_config
@@ -44,7 +50,11 @@ def test_urls_are_masked():
     assert mask_url("redis://:hunter2secret@10.0.0.5:6379/0") == "redis://***@10.0.0.5:6379/0"
     assert mask_url("rediss://user:pw@h:1/0") == "rediss://***@h:1/0"
     assert mask_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
-    assert url_has_credentials("redis://:pw@h:1/0") and not url_has_credentials("redis://h:1/0") and not url_has_credentials(None)
+    assert (
+        url_has_credentials("redis://:pw@h:1/0")
+        and not url_has_credentials("redis://h:1/0")
+        and not url_has_credentials(None)
+    )
     with pytest.raises(ValueError) as err:
         load_config(env={"PICOVLLM_REDIS_URL": "http://:hunter2secret@h:1/0"})
     assert "hunter2secret" not in str(err.value)
@@ -65,7 +75,13 @@ def test_interceptor_lets_through_the_token_health_and_reflection_only():
     assert check(step, (("authorization", f"bearer {TOKEN}"),))
     assert check(step, (("x-picovllm-token", TOKEN),))
     assert check(step, (("user-agent", "x"), ("authorization", "Bearer wrong"), ("x-picovllm-token", TOKEN)))
-    for metadata in (None, (), (("authorization", TOKEN),), (("authorization", f"Bearer {TOKEN}x"),), (("x-other", TOKEN),)):
+    for metadata in (
+        None,
+        (),
+        (("authorization", TOKEN),),
+        (("authorization", f"Bearer {TOKEN}x"),),
+        (("x-other", TOKEN),),
+    ):
         assert not check(step, metadata)
     assert check("/grpc.health.v1.Health/Check", None)
     assert check("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", None)
@@ -73,8 +89,12 @@ def test_interceptor_lets_through_the_token_health_and_reflection_only():
 
 
 def test_public_callers_are_told_no_internal_detail():
-    down = Unavailable("kvcache 10.1.2.3:50052 ApplyStep: UNAVAILABLE: metadata store unavailable: Error 111 connecting")
-    assert public_message(down, grpc.StatusCode.UNAVAILABLE) == "the service is temporarily unavailable; try again later"
+    down = Unavailable(
+        "kvcache 10.1.2.3:50052 ApplyStep: UNAVAILABLE: metadata store unavailable: Error 111 connecting"
+    )
+    assert (
+        public_message(down, grpc.StatusCode.UNAVAILABLE) == "the service is temporarily unavailable; try again later"
+    )
     assert "10.1.2.3" not in public_message(RuntimeError("at 10.1.2.3:50053"), grpc.StatusCode.INTERNAL)
     bad = InvalidArgument("prompt too long for model at kvcache:50052")
     assert public_message(bad, grpc.StatusCode.INVALID_ARGUMENT) == "prompt too long for model at <internal>"
@@ -82,7 +102,10 @@ def test_public_callers_are_told_no_internal_detail():
     class Draining(Unavailable):
         public = True
 
-    assert public_message(Draining("the server is shutting down"), grpc.StatusCode.UNAVAILABLE) == "the server is shutting down"
+    assert (
+        public_message(Draining("the server is shutting down"), grpc.StatusCode.UNAVAILABLE)
+        == "the server is shutting down"
+    )
 
 
 def test_every_default_listener_is_loopback():
@@ -95,7 +118,14 @@ def _args(**kw) -> argparse.Namespace:
     from scheduler_svc.serve_cli import FLAGS
 
     values = {flag[2:].replace("-", "_"): None for flag in FLAGS}
-    values.update(verbose=False, log_level=None, config=None, no_prefix_caching=False, async_scheduling=None, insecure_no_auth=False)
+    values.update(
+        verbose=False,
+        log_level=None,
+        config=None,
+        no_prefix_caching=False,
+        async_scheduling=None,
+        insecure_no_auth=False,
+    )
     values.update(kw)
     return argparse.Namespace(**values)
 

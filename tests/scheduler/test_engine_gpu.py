@@ -16,8 +16,15 @@ def test_triton_path_equals_reference_path_fp32():
     ref = json.loads((Path(BUNDLED_MODEL) / "reference_greedy.json").read_text())
     prompts = [r["prompt"] for r in ref["results"]] * 4
     params = SamplingParams(temperature=0, max_tokens=64)
-    fast = LLM(device="cuda", dtype="float32", num_gpu_blocks=512, max_num_batched_tokens=64, num_scheduler_steps=8)
-    slow = LLM(device="cuda", dtype="float32", num_gpu_blocks=512, max_num_batched_tokens=64, kernel_backend="torch", enforce_eager=True)
+    fast = LLM(device="cuda", dtype="float32", num_gpu_blocks=512, max_num_batched_tokens=64)
+    slow = LLM(
+        device="cuda",
+        dtype="float32",
+        num_gpu_blocks=512,
+        max_num_batched_tokens=64,
+        kernel_backend="torch",
+        enforce_eager=True,
+    )
     assert fast.engine.model.ops.name == "triton" and fast.engine.model.graphs is not None
     got = [o.token_ids for o in fast.generate(prompts, params)]
     want = [o.token_ids for o in slow.generate(prompts, params)]
@@ -50,7 +57,10 @@ def test_overlapped_launch_never_waits_for_the_device():
             checked.append(len(inp.seqs))
 
     runner.launch = strict_launch
-    params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=24)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=24),
+    ]
     outs = llm.generate(["Once upon a time", "The little dog"], params)
     assert all(len(o.token_ids) == 24 for o in outs)
     assert len(checked) >= 24  # every step went through the strict launch
@@ -69,7 +79,10 @@ def test_no_triton_compiles_once_warm():
     previous = knobs.runtime.jit_post_compile_hook
     knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"])
     try:
-        for batch in (["The little dog ran"], ["x y", "The sun was shining and the", "Tom", "Lily had a red ball, and"] * 3):
+        for batch in (
+            ["The little dog ran"],
+            ["x y", "The sun was shining and the", "Tom", "Lily had a red ball, and"] * 3,
+        ):
             llm.generate(batch, params)
     finally:
         knobs.runtime.jit_post_compile_hook = previous
@@ -125,14 +138,18 @@ def test_sampling_in_the_decode_graphs_draws_as_the_runner():
         log = []
         graphs = runner.graphs
         assert graphs.sample_graphs, "sampling graphs were not captured"
-        graphs.sample_graphs = {k: _CountedGraph(g, log, k) for k, g in graphs.sample_graphs.items()} if graph_sampling else {}
+        graphs.sample_graphs = (
+            {k: _CountedGraph(g, log, k) for k, g in graphs.sample_graphs.items()} if graph_sampling else {}
+        )
         return [o.token_ids for o in llm.generate(prompts, params)], log
 
     got, log = run(True, plain)
     want, _ = run(False, plain)
     assert got == want
     assert len(log) >= 30 and (32, False) in log  # the decode steps sampled in the graphs (20 rows: bucket 32)
-    topk = [SamplingParams(temperature=0.8, top_k=5 if i == 7 else -1, max_tokens=8, ignore_eos=True) for i in range(20)]
+    topk = [
+        SamplingParams(temperature=0.8, top_k=5 if i == 7 else -1, max_tokens=8, ignore_eos=True) for i in range(20)
+    ]
     outs, log = run(True, topk)
     assert log == [] and all(len(t) == 8 for t in outs)
 
@@ -155,7 +172,9 @@ def test_programmatic_dependent_launch_changes_no_token(monkeypatch):
             monkeypatch.delenv("PICOVLLM_PDL", raising=False)
         else:
             monkeypatch.setenv("PICOVLLM_PDL", pdl)  # read at every launch and at graph capture
-        llm = LLM(device="cuda", dtype="bfloat16", num_gpu_blocks=1024, async_scheduling=True, enable_prefix_caching=True)
+        llm = LLM(
+            device="cuda", dtype="bfloat16", num_gpu_blocks=1024, async_scheduling=True, enable_prefix_caching=True
+        )
         return [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)]
 
     off = run("0")
@@ -177,7 +196,9 @@ def test_cascade_with_fused_store_equals_separate_launches(tmp_path, monkeypatch
     path = str(make_tiny_hf_model(tmp_path, "qwen3"))
     calls = []
     fused = triton_cascade.cascade_decode_attention_store
-    monkeypatch.setattr(triton_cascade, "cascade_decode_attention_store", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    monkeypatch.setattr(
+        triton_cascade, "cascade_decode_attention_store", lambda *a, **k: calls.append(1) or fused(*a, **k)
+    )
     rng = random.Random(2)
     prefix = [rng.randrange(3, 500) for _ in range(300)]
     prompts = [prefix + [rng.randrange(3, 500) for _ in range(2 + i)] for i in range(12)]
@@ -188,7 +209,9 @@ def test_cascade_with_fused_store_equals_separate_launches(tmp_path, monkeypatch
 
     got = run(LLM(model=path, device="cuda", dtype="float32", num_gpu_blocks=512, async_scheduling=True))
     assert calls, "the cascade path with the fused store was not taken"
-    slow = LLM(model=path, device="cuda", dtype="float32", num_gpu_blocks=512, enforce_eager=True, async_scheduling=False)
+    slow = LLM(
+        model=path, device="cuda", dtype="float32", num_gpu_blocks=512, enforce_eager=True, async_scheduling=False
+    )
     for module in slow.engine.model.model.modules():
         if isinstance(module, LlamaAttention):
             module.cascade = None  # qk_norm_rope_store, then cascade_decode_attention

@@ -30,10 +30,15 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[t
     for ids in prompts:
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([ids]), do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
-                output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                torch.tensor([ids]),
+                do_sample=False,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
             )
-        results.append((out.sequences[0, len(ids):].tolist(), [l[0] for l in out.logits]))
+        results.append((out.sequences[0, len(ids) :].tolist(), [step_logits[0] for step_logits in out.logits]))
     return results
 
 
@@ -61,8 +66,26 @@ def assert_clean(llm: LLM) -> None:
 def _mixed_prompts(vocab: int, block_size: int, seed: int, n: int = 18) -> list[list[int]]:
     """Lengths inside blocks and exactly on block edges (k*bs - 1, k*bs, k*bs + 1)."""
     rng = random.Random(seed)
-    lengths = [1, 2, 5, block_size - 1, block_size, block_size + 1, 2 * block_size, 2 * block_size + 3,
-               3 * block_size - 1, 3 * block_size, 4 * block_size + 7, 5 * block_size, 37, 50, 61, 77, 90, 100][:n]
+    lengths = [
+        1,
+        2,
+        5,
+        block_size - 1,
+        block_size,
+        block_size + 1,
+        2 * block_size,
+        2 * block_size + 3,
+        3 * block_size - 1,
+        3 * block_size,
+        4 * block_size + 7,
+        5 * block_size,
+        37,
+        50,
+        61,
+        77,
+        90,
+        100,
+    ][:n]
     return [[rng.randrange(3, vocab) for _ in range(length)] for length in lengths]
 
 
@@ -106,8 +129,8 @@ def test_tiny_models_one_batch(tiny):
 
 def test_tiny_models_chunked_prefill(tiny):
     path, prompts, ref = tiny
-    # Prompts split across steps; decode-only phases run 4 steps per schedule.
-    llm = LLM(path, num_gpu_blocks=512, max_num_batched_tokens=40, num_scheduler_steps=4)
+    # Prompts split across steps.
+    llm = LLM(path, num_gpu_blocks=512, max_num_batched_tokens=40)
     outs = llm.generate(prompts, GREEDY)
     assert_matches_hf([o.token_ids for o in outs], ref)
     assert_clean(llm)
@@ -141,8 +164,14 @@ def test_tiny_models_preemption(tiny, mode, overlap):
     path, prompts, ref = tiny
     # About a quarter of what the batch needs at its peak: preemption must happen. Overlapped:
     # the next step is scheduled while the current one runs (placeholder tokens).
-    llm = LLM(path, num_gpu_blocks=24, num_cpu_blocks=200, preemption_mode=mode, enable_prefix_caching=(mode == "swap"),
-              async_scheduling=overlap)
+    llm = LLM(
+        path,
+        num_gpu_blocks=24,
+        num_cpu_blocks=200,
+        preemption_mode=mode,
+        enable_prefix_caching=(mode == "swap"),
+        async_scheduling=overlap,
+    )
     assert llm.engine.async_scheduling == overlap
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.stats.num_preemptions > 0

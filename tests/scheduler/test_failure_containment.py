@@ -145,14 +145,17 @@ def test_runner_names_a_sequence_it_cannot_sample(llm):
     assert err.value.seq_id == "bad-seq" and "bad-seq" not in runner.seqs
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(logprobs=1000), "logprobs"),
-    (dict(logprobs=21), "logprobs"),
-    (dict(stop=[f"s{i}" for i in range(65)]), "stop"),
-    (dict(stop=["x" * 4097]), "stop"),
-    (dict(stop_token_ids=[1] * 1025), "stop_token_ids"),
-    (dict(stop_token_ids=[512]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(logprobs=1000), "logprobs"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(stop=[f"s{i}" for i in range(65)]), "stop"),
+        (dict(stop=["x" * 4097]), "stop"),
+        (dict(stop_token_ids=[1] * 1025), "stop_token_ids"),
+        (dict(stop_token_ids=[512]), "stop_token_ids"),
+    ],
+)
 def test_request_limits_are_checked_at_admission(llm, kwargs, field):
     with pytest.raises(ValueError, match=field):
         llm.generate("Once upon a time", SamplingParams(**kwargs))
@@ -166,13 +169,16 @@ def test_prompt_text_over_the_character_cap_is_refused_before_tokenizing(llm, mo
         llm.generate("x" * (limit + 1), GREEDY)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(temperature=float("inf")), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
-    (dict(top_k=1 << 31), "top_k"),
-    (dict(seed=1 << 63), "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(top_k=1 << 31), "top_k"),
+        (dict(seed=1 << 63), "seed"),
+    ],
+)
 def test_sampling_params_refuse_values_the_model_side_cannot_take(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)

@@ -3,6 +3,7 @@ processes that are always killed in teardown. Every wait here is bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -43,11 +44,13 @@ class RedisServer:
     def __init__(self, tmp: Path) -> None:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.log = open(tmp / f"redis-{self.port}.log", "w")
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp,
-        )
+        with open(tmp / f"redis-{self.port}.log", "w") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=tmp,
+            )
         import redis
 
         self.client = redis.Redis(port=self.port, socket_timeout=2)
@@ -63,7 +66,6 @@ class RedisServer:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=10)
-        self.log.close()
 
 
 @pytest.fixture(scope="session")
@@ -90,27 +92,35 @@ class ServiceProcess:
 
     def __init__(self, kind: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.kind, self.args, self.log_dir = kind, args, log_dir
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                    "PYTHONUNBUFFERED": "1", "PICOVLLM_INTERNAL_TOKEN": INTERNAL_TOKEN, **(env or {})}
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1",
+            "PICOVLLM_INTERNAL_TOKEN": INTERNAL_TOKEN,
+            **(env or {}),
+        }
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
         self.log_path = self.log_dir / f"{self.kind}-{uuid.uuid4().hex[:6]}.log"
-        self.log = open(self.log_path, "w")
         # A session of its own: kill() takes the children of `serve all` along.
-        self.proc = subprocess.Popen([sys.executable, "-m", "scheduler_svc.cli", "-v", "serve", self.kind, *self.args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=True)
+        with open(self.log_path, "w") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "scheduler_svc.cli", "-v", "serve", self.kind, *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=REPO,
+                start_new_session=True,
+            )
 
     def kill(self) -> None:
         """SIGKILL to the process and everything it started."""
         if self.proc is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             self.proc.wait(timeout=10)
-        self.log.close()
 
     def terminate(self, timeout: float = 30) -> int:
         assert self.proc is not None
@@ -130,16 +140,35 @@ class ServiceProcess:
 class Stack:
     """kvcache + model + scheduler processes on free loopback ports."""
 
-    def __init__(self, log_dir: Path, redis_url: str | None = None, deployment: str | None = None,
-                 scheduler_args: list[str] | None = None, model_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        redis_url: str | None = None,
+        deployment: str | None = None,
+        scheduler_args: list[str] | None = None,
+        model_args: list[str] | None = None,
+    ) -> None:
         self.log_dir = log_dir
         self.addr = {k: f"127.0.0.1:{free_port()}" for k in ("scheduler", "kvcache", "model")}
         self.metrics_port = free_port()
-        common = ["--scheduler-addr", self.addr["scheduler"], "--kvcache-addr", self.addr["kvcache"], "--model-addr", self.addr["model"]]
-        kv_args = common + (["--redis-url", redis_url] if redis_url else []) + (["--deployment", deployment] if deployment else [])
+        common = [
+            "--scheduler-addr",
+            self.addr["scheduler"],
+            "--kvcache-addr",
+            self.addr["kvcache"],
+            "--model-addr",
+            self.addr["model"],
+        ]
+        kv_args = (
+            common
+            + (["--redis-url", redis_url] if redis_url else [])
+            + (["--deployment", deployment] if deployment else [])
+        )
         self.args = {
             "kvcache": kv_args,
-            "model": common + ["--device", "cpu", "--torch-threads", "1", "--num-gpu-blocks", "256", "--num-cpu-blocks", "64"] + (model_args or []),
+            "model": common
+            + ["--device", "cpu", "--torch-threads", "1", "--num-gpu-blocks", "256", "--num-cpu-blocks", "64"]
+            + (model_args or []),
             "scheduler": common + ["--metrics-port", str(self.metrics_port)] + (scheduler_args or []),
         }
         self.procs: dict[str, ServiceProcess] = {}
@@ -207,7 +236,9 @@ class Stack:
             proc.kill()
 
 
-def generate_all(stack: Stack, prompts: list, timeout: float = 60, concurrent: bool = False, **sampling) -> list[tuple[list[int], str, int]]:
+def generate_all(
+    stack: Stack, prompts: list, timeout: float = 60, concurrent: bool = False, **sampling
+) -> list[tuple[list[int], str, int]]:
     """(token ids, text, finish reason) per prompt, one request at a time or all at once."""
     from concurrent.futures import ThreadPoolExecutor
 

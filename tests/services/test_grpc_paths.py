@@ -76,7 +76,9 @@ class ServerThread:
 def kv_server():
     service = KVCacheService(MemoryStore())
     service.load()
-    server = ServerThread([(kvcache_pb2_grpc.add_KVCacheServiceServicer_to_server, KVCacheServicer(service), KV_SERVICE_NAME)])
+    server = ServerThread(
+        [(kvcache_pb2_grpc.add_KVCacheServiceServicer_to_server, KVCacheServicer(service), KV_SERVICE_NAME)]
+    )
     yield server.address, service
     server.stop()
 
@@ -177,9 +179,9 @@ class FakeRunner:
     block_size, num_device_blocks, num_host_blocks, device, dtype = 4, 64, 16, "cpu", "float32"
 
     def __init__(self) -> None:
-        from model_svc.client import RemoteModelConfig
+        from contracts.model_info import ModelFacts
 
-        self.config = RemoteModelConfig("llama", 512, 512, (2,), 1)
+        self.config = ModelFacts("llama", 512, 512, (2,), 1)
         self.launched: list[list[str]] = []
         self.read: list[list[str]] = []
         self.release = threading.Event()
@@ -200,7 +202,9 @@ class FakeRunner:
                 if runner.fail_result is not None:
                     raise runner.fail_result
                 runner.read.append(ids)
-                return StepOutput([SampledToken(s.seq_id, 100 + s.start_pos + len(s.token_ids)) for s in inp.seqs if s.sample])
+                return StepOutput(
+                    [SampledToken(s.seq_id, 100 + s.start_pos + len(s.token_ids)) for s in inp.seqs if s.sample]
+                )
 
         return Launched()
 
@@ -276,7 +280,7 @@ def test_next_step_is_launched_while_the_last_is_read_back(model_server):
 def test_pipelined_engine_sends_each_kv_batch_without_waiting():
     """Step k+1's block ops are recorded before step k's ApplyStep answer is awaited: waiting
     for k must not send them in a blocking call; they go out (overlapped) with k+1's launch."""
-    from kvcache_svc.client import InProcessTransport
+    from tests.services.inprocess_kv import InProcessTransport
 
     from .test_remote_engine import ScriptedModel, assert_clean, make_engine, run
 

@@ -117,7 +117,9 @@ def test_huge_prompt_refused_fast_without_stalling_others(stack):
             list(call(big, timeout=10))
         big_seconds = time.monotonic() - start
     code = err.value.code()
-    over_chars = status_of(stack, "Once upon a time " * 6000, timeout=10)  # under the message limit, over the character cap
+    over_chars = status_of(
+        stack, "Once upon a time " * 6000, timeout=10
+    )  # under the message limit, over the character cap
     end = time.monotonic()
     rss_after = rss_kib(pid)
     streams.join()
@@ -129,15 +131,18 @@ def test_huge_prompt_refused_fast_without_stalling_others(stack):
     assert len(streams.tokens["Once upon a time"]) == 400
 
 
-@pytest.mark.parametrize("bad", [
-    dict(logprobs=1000),
-    dict(logprobs=21),
-    dict(stop=[f"s{i}" for i in range(65)]),
-    dict(stop=["x" * 5000]),
-    dict(stop=[f"stop{i}" for i in range(500_000)]),  # about 5 MB: refused by the message limit itself
-    dict(stop_token_ids=[1] * 2000),
-    dict(stop_token_ids=[512]),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(logprobs=1000),
+        dict(logprobs=21),
+        dict(stop=[f"s{i}" for i in range(65)]),
+        dict(stop=["x" * 5000]),
+        dict(stop=[f"stop{i}" for i in range(500_000)]),  # about 5 MB: refused by the message limit itself
+        dict(stop_token_ids=[1] * 2000),
+        dict(stop_token_ids=[512]),
+    ],
+)
 def test_bad_request_fails_alone(stack, reference, bad):
     streams = Neighbours(stack, NEIGHBOURS, **GREEDY)
     code = status_of(stack, "Once upon a time", temperature=0.0, max_tokens=8, **bad)
@@ -178,7 +183,9 @@ def test_cancelled_and_aborted_requests_are_counted(stack):
         for _ in c.generate("Once upon a time", temperature=0.0, max_tokens=300, ignore_eos=True, timeout=60):
             break  # closing the stream cancels the call
         request_id = "abort-" + uuid.uuid4().hex
-        stream = c.generate("Once upon a time", request_id=request_id, temperature=0.0, max_tokens=300, ignore_eos=True, timeout=60)
+        stream = c.generate(
+            "Once upon a time", request_id=request_id, temperature=0.0, max_tokens=300, ignore_eos=True, timeout=60
+        )
         next(stream)
         c.abort(request_id)
         last = list(stream)[-1]
@@ -200,42 +207,59 @@ _EXTREME = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_
 
 def _sampling(wild: bool) -> st.SearchStrategy:
     """Sampling fields in range, or (wild) anything their wire types hold."""
+
     def pick(valid: st.SearchStrategy, extreme: st.SearchStrategy) -> st.SearchStrategy:
         return st.one_of(valid, extreme) if wild else valid
 
-    return st.fixed_dictionaries({}, optional={
-        "temperature": pick(st.sampled_from([0.0, 0.7, 1.0, 1.5]), _EXTREME),
-        "top_p": pick(st.floats(0.05, 1.0), _EXTREME),
-        "top_k": pick(st.integers(-1, 600), _INT32),
-        "min_p": pick(st.floats(0.0, 0.5), _EXTREME),
-        "seed": st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1),
-        "max_tokens": pick(st.one_of(st.integers(1, 8), st.just((1 << 31) - 1)), _INT32),
-        "stop": pick(st.lists(st.text(min_size=1, max_size=8), max_size=4),
-                     st.lists(st.text(max_size=3), min_size=60, max_size=80)),
-        "stop_token_ids": st.lists(pick(st.integers(0, 511), _INT32), max_size=8),
-        "ignore_eos": st.booleans(),
-        "repetition_penalty": pick(st.floats(0.5, 2.0), _EXTREME),
-        "presence_penalty": pick(st.floats(-2.0, 2.0), _EXTREME),
-        "frequency_penalty": pick(st.floats(-2.0, 2.0), _EXTREME),
-        "logprobs": pick(st.integers(0, 20), _INT32),
-        "skip_special_tokens": st.booleans(),
-    })
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "temperature": pick(st.sampled_from([0.0, 0.7, 1.0, 1.5]), _EXTREME),
+            "top_p": pick(st.floats(0.05, 1.0), _EXTREME),
+            "top_k": pick(st.integers(-1, 600), _INT32),
+            "min_p": pick(st.floats(0.0, 0.5), _EXTREME),
+            "seed": st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1),
+            "max_tokens": pick(st.one_of(st.integers(1, 8), st.just((1 << 31) - 1)), _INT32),
+            "stop": pick(
+                st.lists(st.text(min_size=1, max_size=8), max_size=4),
+                st.lists(st.text(max_size=3), min_size=60, max_size=80),
+            ),
+            "stop_token_ids": st.lists(pick(st.integers(0, 511), _INT32), max_size=8),
+            "ignore_eos": st.booleans(),
+            "repetition_penalty": pick(st.floats(0.5, 2.0), _EXTREME),
+            "presence_penalty": pick(st.floats(-2.0, 2.0), _EXTREME),
+            "frequency_penalty": pick(st.floats(-2.0, 2.0), _EXTREME),
+            "logprobs": pick(st.integers(0, 20), _INT32),
+            "skip_special_tokens": st.booleans(),
+        },
+    )
 
 
-_TEXT = st.one_of(st.text(min_size=1, max_size=64), st.just("Once upon a time"), st.just(""),
-                  st.text(alphabet=st.characters(min_codepoint=0x1F300, max_codepoint=0x1FAFF), min_size=1, max_size=16),
-                  st.just("\x00\ud7ff\ufffd\u200b" * 4))
+_TEXT = st.one_of(
+    st.text(min_size=1, max_size=64),
+    st.just("Once upon a time"),
+    st.just(""),
+    st.text(alphabet=st.characters(min_codepoint=0x1F300, max_codepoint=0x1FAFF), min_size=1, max_size=16),
+    st.just("\x00\ud7ff\ufffd\u200b" * 4),
+)
 _IDS = st.one_of(st.lists(st.integers(0, 511), min_size=1, max_size=40), st.lists(_INT32, max_size=40))
 
 
 def test_fuzzed_generate_gets_ok_or_a_client_error_and_the_server_keeps_serving(stack, reference):
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-    @given(prompt=st.one_of(_TEXT, _IDS), sampling=st.one_of(_sampling(False), _sampling(True)),
-           request_id=st.one_of(st.just(""), st.text(max_size=300)), cache_salt=st.one_of(st.just(""), st.text(max_size=8)))
+    @given(
+        prompt=st.one_of(_TEXT, _IDS),
+        sampling=st.one_of(_sampling(False), _sampling(True)),
+        request_id=st.one_of(st.just(""), st.text(max_size=300)),
+        cache_salt=st.one_of(st.just(""), st.text(max_size=8)),
+    )
     def one(prompt, sampling, request_id, cache_salt):
         request = generate_request(prompt, request_id, cache_salt, **sampling)
-        call = channel.unary_stream(GENERATE, request_serializer=pb.GenerateRequest.SerializeToString,
-                                    response_deserializer=pb.GenerateResponse.FromString)(request, timeout=30)
+        call = channel.unary_stream(
+            GENERATE,
+            request_serializer=pb.GenerateRequest.SerializeToString,
+            response_deserializer=pb.GenerateResponse.FromString,
+        )(request, timeout=30)
         try:
             for i, _ in enumerate(call):
                 if i >= 3:

@@ -13,13 +13,14 @@ import pytest
 from contracts.errors import FailedPrecondition, Unavailable
 from contracts.sampling_params import SamplingParams
 from kvcache_svc import KVCacheManager, Tier
-from kvcache_svc.client import InProcessTransport, KVClient, KVOutOfSync
+from kvcache_svc.client import KVClient, KVOutOfSync
 from kvcache_svc.ops import AllocateOp, FreeOp, PoolConfig
 from kvcache_svc.service import KVCacheService, StepOutOfOrder
 from kvcache_svc.state import export_state
 from kvcache_svc.store import MemoryStore, RedisStore
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from tests.services.inprocess_kv import InProcessTransport
 
 BS = 4
 CONFIG = PoolConfig(num_device_blocks=24, num_host_blocks=12, block_size=BS, enable_prefix_caching=True, epoch="e1")
@@ -56,9 +57,11 @@ def drive(kv, steps: int, seed: int, preemption_mode: str, after_commit=None, co
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24, preemption_mode=preemption_mode), kv)
     prefix = [rng.randrange(100) for _ in range(2 * BS)]
     log, reqs, n = [], {}, 0
-    for step in range(steps):
+    for _ in range(steps):
         if rng.random() < 0.4 and len(reqs) < 12:
-            prompt = (prefix if rng.random() < 0.5 else []) + [rng.randrange(100) for _ in range(rng.randrange(1, 3 * BS))]
+            prompt = (prefix if rng.random() < 0.5 else []) + [
+                rng.randrange(100) for _ in range(rng.randrange(1, 3 * BS))
+            ]
             req = Request(f"r{n}", prompt, SamplingParams(max_tokens=rng.randrange(1, 20)))
             n += 1
             sched.add(req)

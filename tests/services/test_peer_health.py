@@ -25,7 +25,9 @@ DEPENDENCY_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("svc-peer-health"), scheduler_args=["--dependency-timeout", str(DEPENDENCY_TIMEOUT_S)])
+    s = Stack(
+        tmp_path_factory.mktemp("svc-peer-health"), scheduler_args=["--dependency-timeout", str(DEPENDENCY_TIMEOUT_S)]
+    )
     yield s
     s.close()
 
@@ -82,8 +84,12 @@ def test_frozen_model_service(stack):
 
 
 def _redis(port: int, tmp) -> subprocess.Popen:
-    return subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=tmp)
+    return subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        cwd=tmp,
+    )
 
 
 def test_redis_outage(tmp_path):
@@ -93,12 +99,18 @@ def test_redis_outage(tmp_path):
     redis = _redis(port, tmp_path)
     stack = None
     try:
-        stack = Stack(tmp_path, redis_url=f"redis://127.0.0.1:{port}/0", deployment="outage",
-                      scheduler_args=["--dependency-timeout", str(DEPENDENCY_TIMEOUT_S)])
+        stack = Stack(
+            tmp_path,
+            redis_url=f"redis://127.0.0.1:{port}/0",
+            deployment="outage",
+            scheduler_args=["--dependency-timeout", str(DEPENDENCY_TIMEOUT_S)],
+        )
         redis.kill()
         redis.wait(timeout=10)
         wait_for(lambda: not check_health(stack.addr["kvcache"], timeout=0.5), 5, "kvcache NOT_SERVING without Redis")
-        wait_for(lambda: not check_health(stack.addr["scheduler"], timeout=0.5), 5, "scheduler NOT_SERVING without Redis")
+        wait_for(
+            lambda: not check_health(stack.addr["scheduler"], timeout=0.5), 5, "scheduler NOT_SERVING without Redis"
+        )
         outage: dict = {}
         sent = time.monotonic()
         _request(stack, outage, None, 8)

@@ -11,16 +11,18 @@ from concurrent.futures import Future
 
 import pytest
 
+from contracts.model_info import ModelFacts, ModelInfo
 from contracts.sampling_params import SamplingParams
 from contracts.service_config import BUNDLED_MODEL
 from contracts.step import SampledToken, StepInput, StepOutput
-from kvcache_svc.client import InProcessTransport, KVClient, KVUnavailable
+from kvcache_svc.client import KVClient, KVUnavailable
 from kvcache_svc.ops import AllocateOp
 from kvcache_svc.service import KVCacheService
 from kvcache_svc.store import MemoryStore
-from model_svc.client import ModelRestarted, ModelUnavailable, RemoteModelConfig, RemoteModelInfo
+from model_svc.client import ModelRestarted, ModelUnavailable
 from scheduler_svc.config import EngineConfig
 from scheduler_svc.remote_engine import ServiceEngine, pool_config
+from tests.services.inprocess_kv import InProcessTransport
 
 
 class FakeTokenizer:
@@ -43,9 +45,17 @@ class ScriptedModel:
         self.info = self._info()
         self.known: set[str] = set()
 
-    def _info(self) -> RemoteModelInfo:
-        return RemoteModelInfo(f"e{self.epoch_n}", BUNDLED_MODEL, 4, 64, 16, "cpu", "float32",
-                               RemoteModelConfig("llama", 512, 512, (2,), 1))
+    def _info(self) -> ModelInfo:
+        return ModelInfo(
+            f"e{self.epoch_n}",
+            BUNDLED_MODEL,
+            4,
+            64,
+            16,
+            "cpu",
+            "float32",
+            ModelFacts("llama", 512, 512, (2,), 1),
+        )
 
     config = property(lambda self: self.info.config)
     num_device_blocks = property(lambda self: self.info.num_device_blocks)
@@ -55,7 +65,7 @@ class ScriptedModel:
         self.epoch_n += 1
         self.known.clear()
 
-    def connect(self, timeout_s: float) -> RemoteModelInfo:
+    def connect(self, timeout_s: float) -> ModelInfo:
         if self.down:
             raise ModelUnavailable("down")
         self.info = self._info()
@@ -71,9 +81,13 @@ class ScriptedModel:
         for s in inp.seqs:
             assert s.sampling is not None or s.seq_id in self.known, f"{s.seq_id}: first step without sampling params"
             self.known.add(s.seq_id)
-        return StepOutput([SampledToken(s.seq_id, 3 + (zlib.crc32(s.seq_id.encode()) + s.start_pos + len(s.token_ids)) % 500)
-                           for s in inp.seqs if s.sample])
-
+        return StepOutput(
+            [
+                SampledToken(s.seq_id, 3 + (zlib.crc32(s.seq_id.encode()) + s.start_pos + len(s.token_ids)) % 500)
+                for s in inp.seqs
+                if s.sample
+            ]
+        )
 
     def launch(self, inp: StepInput, timeout: float | None = None) -> Future:
         """The pipelined engine's call: answered (or failed) at once."""
@@ -91,7 +105,9 @@ def make_engine(model: ScriptedModel, pipelined: bool = False) -> tuple[ServiceE
     kv = KVClient(InProcessTransport(service))
     kv.connect(pool_config(model, True))
     kv.commit()
-    config = EngineConfig(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32, async_scheduling=pipelined or None)
+    config = EngineConfig(
+        block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32, async_scheduling=pipelined or None
+    )
     return ServiceEngine(config, model, kv, FakeTokenizer()), service
 
 
@@ -255,7 +271,9 @@ def test_mismatch_after_the_model_ran_resets_instead_of_adopting(reference):
 # ---- pipelined (async_scheduling): the model Step of step k+1 is sent while step k runs
 
 
-@pytest.mark.parametrize("disturbance", ["none", "model down", "model restart", "kv down", "kv lost state", "kv mismatch"])
+@pytest.mark.parametrize(
+    "disturbance", ["none", "model down", "model restart", "kv down", "kv lost state", "kv mismatch"]
+)
 def test_pipelined_engine_ends_with_the_undisturbed_tokens(reference, disturbance):
     model = ScriptedModel()
     engine, service = make_engine(model, pipelined=True)
@@ -273,7 +291,9 @@ def test_pipelined_engine_ends_with_the_undisturbed_tokens(reference, disturbanc
         check.load()
         disturb = lambda n: setattr(engine.kv, "transport", InProcessTransport(check)) if n == 6 else None  # noqa: E731
     elif disturbance == "kv mismatch":
-        disturb = lambda n: service.apply_step(service.step + 1, [AllocateOp("intruder", [1, 2, 3], 3)]) if n == 6 else None  # noqa: E731
+        disturb = lambda n: (  # noqa: E731
+            service.apply_step(service.step + 1, [AllocateOp("intruder", [1, 2, 3], 3)]) if n == 6 else None
+        )
     else:
         disturb = None
     assert run(engine, disturb) == reference
@@ -291,7 +311,9 @@ def test_pipelined_engine_keeps_the_model_one_step_ahead():
     model = ScriptedModel()
     fed = []
     step = model.step
-    model.step = lambda inp, timeout=None: (fed.append([t for s in inp.seqs for t in s.token_ids]), step(inp, timeout))[1]
+    model.step = lambda inp, timeout=None: (fed.append([t for s in inp.seqs for t in s.token_ids]), step(inp, timeout))[
+        1
+    ]
     engine, service = make_engine(model, pipelined=True)
     run(engine)
     assert any(PLACEHOLDER in tokens for tokens in fed)

@@ -15,9 +15,28 @@ from tests.services.conftest import ServiceProcess, free_port, wait_for
 
 def test_serve_all_answers_then_drains_on_sigterm(tmp_path):
     addr = {k: f"127.0.0.1:{free_port()}" for k in ("scheduler", "kvcache", "model")}
-    args = ["--scheduler-addr", addr["scheduler"], "--kvcache-addr", addr["kvcache"], "--model-addr", addr["model"],
-            "--metrics-port", str(free_port()), "--device", "cpu", "--torch-threads", "1", "--num-gpu-blocks", "128",
-            "--num-cpu-blocks", "16", "--drain-timeout", "60", "--port", str(free_port())]
+    args = [
+        "--scheduler-addr",
+        addr["scheduler"],
+        "--kvcache-addr",
+        addr["kvcache"],
+        "--model-addr",
+        addr["model"],
+        "--metrics-port",
+        str(free_port()),
+        "--device",
+        "cpu",
+        "--torch-threads",
+        "1",
+        "--num-gpu-blocks",
+        "128",
+        "--num-cpu-blocks",
+        "16",
+        "--drain-timeout",
+        "60",
+        "--port",
+        str(free_port()),
+    ]
     proc = ServiceProcess("all", args, tmp_path)
     try:
         wait_for(lambda: check_health(addr["scheduler"], timeout=0.5), 120, "serve all", proc.proc)

@@ -18,20 +18,46 @@ from contracts.health import check_health
 from scheduler_svc.client import Client
 from tests.services.conftest import INTERNAL_TOKEN, REPO, ServiceProcess, Stack, free_port, wait_for
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-       "PICOVLLM_INTERNAL_TOKEN": INTERNAL_TOKEN}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    "PICOVLLM_INTERNAL_TOKEN": INTERNAL_TOKEN,
+}
 
 
 def serve_args(addr: dict[str, str], metrics_port: int) -> list[str]:
-    return ["--scheduler-addr", addr["scheduler"], "--kvcache-addr", addr["kvcache"], "--model-addr", addr["model"],
-            "--metrics-port", str(metrics_port), "--device", "cpu", "--torch-threads", "1", "--num-gpu-blocks", "64",
-            "--num-cpu-blocks", "16", "--port", str(free_port())]  # the HTTP gateway's
+    return [
+        "--scheduler-addr",
+        addr["scheduler"],
+        "--kvcache-addr",
+        addr["kvcache"],
+        "--model-addr",
+        addr["model"],
+        "--metrics-port",
+        str(metrics_port),
+        "--device",
+        "cpu",
+        "--torch-threads",
+        "1",
+        "--num-gpu-blocks",
+        "64",
+        "--num-cpu-blocks",
+        "16",
+        "--port",
+        str(free_port()),
+    ]  # the HTTP gateway's
 
 
 def run_cli(*argv: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "scheduler_svc.cli", *argv], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, env=ENV)
+    proc = subprocess.run(
+        [sys.executable, "-m", "scheduler_svc.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=ENV,
+    )
     return proc, time.monotonic() - t
 
 
@@ -67,7 +93,9 @@ def test_serve_all_announces_every_address_once_ready(first):
     line = next(x for x in proc.tail(200).splitlines() if x.startswith("picovllm: ready:"))
     for address in (*addr.values(), f"http://127.0.0.1:{metrics_port}/metrics"):
         assert address in line
-    assert sum("service ready" in x for x in proc.tail(200).splitlines()) == 0  # the children stay quiet under serve all
+    assert (
+        sum("service ready" in x for x in proc.tail(200).splitlines()) == 0
+    )  # the children stay quiet under serve all
 
 
 @pytest.mark.parametrize("clash", ["all ports", "gRPC ports only", "metrics port only"])
@@ -83,7 +111,8 @@ def test_second_serve_all_is_refused_in_one_line(first, clash):
     proc, seconds = run_cli("serve", "all", *second)
     line = one_line(proc)
     assert proc.returncode != 0 and seconds < 10
-    assert line == f"picovllm: error: cannot listen on {port}{' (metrics)' if 'metrics' in clash else ''}: address already in use"
+    what = " (metrics)" if "metrics" in clash else ""
+    assert line == f"picovllm: error: cannot listen on {port}{what}: address already in use"
     assert_still_serving(addr)
 
 
@@ -95,14 +124,19 @@ def test_one_service_on_a_taken_port_is_one_line(first):
     mine = f"127.0.0.1:{free_port()}"
     proc, _ = run_cli("serve", "scheduler", "--scheduler-addr", mine, "--metrics-port", str(metrics_port))
     assert proc.returncode == 2
-    assert one_line(proc) == f"picovllm: error: cannot listen on 127.0.0.1:{metrics_port} (metrics): address already in use"
+    assert (
+        one_line(proc)
+        == f"picovllm: error: cannot listen on 127.0.0.1:{metrics_port} (metrics): address already in use"
+    )
     assert not check_health(mine, timeout=0.3)  # its gRPC server went down with it
     with socket.socket() as held:  # a port held by another program
         held.bind(("127.0.0.1", 0))
         held.listen()
         taken = f"127.0.0.1:{held.getsockname()[1]}"
         proc, _ = run_cli("serve", "kvcache", "--kvcache-addr", taken)
-    assert proc.returncode == 2 and one_line(proc) == f"picovllm: error: cannot listen on {taken}: address already in use"
+    assert (
+        proc.returncode == 2 and one_line(proc) == f"picovllm: error: cannot listen on {taken}: address already in use"
+    )
     assert_still_serving(addr)
 
 
@@ -110,14 +144,21 @@ def test_client_wait_ready(first):
     addr, _, _ = first
     proc, _ = run_cli("client", "--wait-ready", "30", "--addr", addr["scheduler"])
     assert proc.returncode == 0, proc.stderr
-    proc, _ = run_cli("client", "Once upon a time", "--max-tokens", "4", "--wait-ready", "30", "--addr", addr["scheduler"])
+    proc, _ = run_cli(
+        "client", "Once upon a time", "--max-tokens", "4", "--wait-ready", "30", "--addr", addr["scheduler"]
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("Once upon a time, there"), proc.stderr
     nothing = f"127.0.0.1:{free_port()}"
     proc, seconds = run_cli("client", "--wait-ready", "1", "--addr", nothing)
     assert proc.returncode == 1 and seconds < 30
     assert one_line(proc) == f"picovllm: error: the scheduler at {nothing} is not ready after 1 s"
     proc, _ = run_cli("client", "Once upon a time", "--addr", nothing)  # no wait: one line that says what to do
-    assert proc.returncode == 1 and proc.stdout == "" and "is unavailable" in one_line(proc) and "--wait-ready" in proc.stderr
+    assert (
+        proc.returncode == 1
+        and proc.stdout == ""
+        and "is unavailable" in one_line(proc)
+        and "--wait-ready" in proc.stderr
+    )
 
 
 def test_serve_all_stops_when_a_child_fails_at_start_up(tmp_path):
@@ -142,9 +183,9 @@ def test_each_service_announces_its_addresses(tmp_path):
             "kvcache": rf"picovllm: kvcache service ready: gRPC {stack.addr['kvcache']} \(store: memory\)",
             "model": rf"picovllm: model service ready: gRPC {stack.addr['model']} \(LlamaForCausalLM, cpu\)",
             "scheduler": rf"picovllm: scheduler service ready: gRPC {stack.addr['scheduler']}, "
-                         rf"metrics http://127\.0\.0\.1:{stack.metrics_port}/metrics",
+            rf"metrics http://127\.0\.0\.1:{stack.metrics_port}/metrics",
         }
         for kind, proc in stack.procs.items():  # health says SERVING a moment before the line
-            wait_for(lambda: re.search(pattern[kind], proc.tail(200)), 10, f"the {kind} readiness line")
+            wait_for(lambda k=kind, p=proc: re.search(pattern[k], p.tail(200)), 10, f"the {kind} readiness line")
     finally:
         stack.close()

@@ -19,12 +19,17 @@ LONG = dict(temperature=0.0, max_tokens=200, ignore_eos=True)
 STREAM_PROMPTS = [f"Once upon a time {i}" for i in range(6)] + ["Lily and Tom went to the park."] * 2
 
 
-@pytest.fixture(scope="module", params=["multi-step", "pipelined"])
+@pytest.fixture(scope="module", params=["unary", "pipelined"])
 def stack(request, tmp_path_factory, redis_server):
-    # Multi-step decoding, or the pipelined step (embedded runs neither): the tokens must not change.
-    args = ["--num-scheduler-steps", "4"] if request.param == "multi-step" else ["--async-scheduling"]
-    s = Stack(tmp_path_factory.mktemp("svc-redis"), redis_url=redis_server.url, deployment="failures" + uuid.uuid4().hex[:8],
-              scheduler_args=args)
+    # One unary Step call per step, or the pipelined step stream (embedded runs neither here):
+    # the tokens must not change.
+    args = ["--async-scheduling"] if request.param == "pipelined" else []
+    s = Stack(
+        tmp_path_factory.mktemp("svc-redis"),
+        redis_url=redis_server.url,
+        deployment="failures" + uuid.uuid4().hex[:8],
+        scheduler_args=args,
+    )
     yield s
     s.close()
 
@@ -40,7 +45,9 @@ class Streams:
     def __init__(self, stack: Stack, prompts: list, timeout: float, **sampling) -> None:
         self.results: dict[int, object] = {}
         self.progress = [0] * len(prompts)
-        self.threads = [threading.Thread(target=self._run, args=(i, p, stack, timeout, sampling)) for i, p in enumerate(prompts)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(i, p, stack, timeout, sampling)) for i, p in enumerate(prompts)
+        ]
         for t in self.threads:
             t.start()
 
@@ -94,7 +101,11 @@ def test_kvcache_restart_when_idle_keeps_its_state(stack):
     _, before = stack.kv_info()
     stack.restart("kvcache")
     _, after = stack.kv_info()
-    assert (after.step, after.num_free_device_blocks, after.config.epoch) == (before.step, before.num_free_device_blocks, before.config.epoch)
+    assert (after.step, after.num_free_device_blocks, after.config.epoch) == (
+        before.step,
+        before.num_free_device_blocks,
+        before.config.epoch,
+    )
     assert after.num_prefix_queries == before.num_prefix_queries
     generate_all(stack, PROMPTS[3:4], temperature=0.0, max_tokens=8)
     _, again = stack.kv_info()
@@ -127,6 +138,6 @@ def test_model_down_fails_with_unavailable_within_deadline(stack):
         stack.wait_kv_clean()
     finally:
         stack.restart("model")
-    (ids, _, reason), = generate_all(stack, ["Once upon a time"], temperature=0.0, max_tokens=8)
+    ((ids, _, reason),) = generate_all(stack, ["Once upon a time"], temperature=0.0, max_tokens=8)
     assert len(ids) == 8
     stack.wait_kv_clean()

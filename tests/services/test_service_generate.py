@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -131,8 +132,11 @@ def test_health_and_reflection(stack):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    for kind, service in (("scheduler", "picovllm.scheduler.v1.SchedulerService"), ("kvcache", "picovllm.kvcache.v1.KVCacheService"),
-                          ("model", "picovllm.model.v1.ModelService")):
+    for kind, service in (
+        ("scheduler", "picovllm.scheduler.v1.SchedulerService"),
+        ("kvcache", "picovllm.kvcache.v1.KVCacheService"),
+        ("model", "picovllm.model.v1.ModelService"),
+    ):
         with grpc.insecure_channel(stack.addr[kind]) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
@@ -145,19 +149,34 @@ def test_health_and_reflection(stack):
 def test_model_info(stack):
     with stack.client() as c:
         info = c.model_info()
-    assert (info.family, info.vocab_size, info.block_size, info.num_device_blocks, info.num_host_blocks) == ("llama", 512, 16, 256, 64)
+    assert (info.family, info.vocab_size, info.block_size, info.num_device_blocks, info.num_host_blocks) == (
+        "llama",
+        512,
+        16,
+        256,
+        64,
+    )
     assert info.max_model_len == 512 and list(info.eos_token_ids) == [2]
 
 
 def test_metrics_endpoint(stack):
     generate_all(stack, ["Once upon a time"], temperature=0.0, max_tokens=4)
     body = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=10).read().decode()
-    for name in ("picovllm_num_requests{state=\"running\"}", "picovllm_num_requests{state=\"waiting\"}",
-                 "picovllm_num_requests{state=\"swapped\"}", "picovllm_kv_cache_usage_ratio{pool=\"device\"}",
-                 "picovllm_kv_cache_usage_ratio{pool=\"host\"}", "picovllm_prefix_cache_queries_total",
-                 "picovllm_prefix_cache_hits_total", "picovllm_num_preemptions_total",
-                 "picovllm_time_to_first_token_seconds_bucket", "picovllm_inter_token_latency_seconds_bucket",
-                 "picovllm_e2e_request_latency_seconds_bucket", "picovllm_prompt_tokens_total", "picovllm_generation_tokens_total"):
+    for name in (
+        'picovllm_num_requests{state="running"}',
+        'picovllm_num_requests{state="waiting"}',
+        'picovllm_num_requests{state="swapped"}',
+        'picovllm_kv_cache_usage_ratio{pool="device"}',
+        'picovllm_kv_cache_usage_ratio{pool="host"}',
+        "picovllm_prefix_cache_queries_total",
+        "picovllm_prefix_cache_hits_total",
+        "picovllm_num_preemptions_total",
+        "picovllm_time_to_first_token_seconds_bucket",
+        "picovllm_inter_token_latency_seconds_bucket",
+        "picovllm_e2e_request_latency_seconds_bucket",
+        "picovllm_prompt_tokens_total",
+        "picovllm_generation_tokens_total",
+    ):
         assert name in body, name
 
 
@@ -166,7 +185,7 @@ def test_scheduler_process_never_loads_torch(stack):
     """The running scheduler, tokenizer loaded and requests served, has no torch library mapped
     (tests/test_layers.py checks its imports; this checks the process)."""
     generate_all(stack, ["Once upon a time"], temperature=0.0, max_tokens=4)
-    maps = {p: open(f"/proc/{stack.procs[p].proc.pid}/maps").read() for p in ("scheduler", "model")}
+    maps = {p: Path(f"/proc/{stack.procs[p].proc.pid}/maps").read_text() for p in ("scheduler", "model")}
     assert "libtorch" in maps["model"]  # what the check looks for is there when torch is
     assert "libtorch" not in maps["scheduler"]
     pid = stack.procs["scheduler"].proc.pid  # and its engine process (scheduler_svc.engine_core)
@@ -175,11 +194,25 @@ def test_scheduler_process_never_loads_torch(stack):
 
 
 def test_client_command_streams_text(stack, embedded):
-    (ids, text, _), = embedded(["Once upon a time"], temperature=0.0, max_tokens=12)
+    ((ids, text, _),) = embedded(["Once upon a time"], temperature=0.0, max_tokens=12)
     out = subprocess.run(
-        [sys.executable, "-m", "scheduler_svc.cli", "client", "Once upon a time", "--addr", stack.addr["scheduler"],
-         "--max-tokens", "12", "--timeout", "30"],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc.cli",
+            "client",
+            "Once upon a time",
+            "--addr",
+            stack.addr["scheduler"],
+            "--max-tokens",
+            "12",
+            "--timeout",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == "Once upon a time" + text + "\n"
@@ -187,9 +220,8 @@ def test_client_command_streams_text(stack, embedded):
 
 def test_deadline_shorter_than_the_work(stack):
     start = time.monotonic()
-    with stack.client() as c:
-        with pytest.raises(grpc.RpcError) as err:
-            list(c.generate("Once upon a time", temperature=0.0, max_tokens=480, ignore_eos=True, timeout=0.3))
+    with stack.client() as c, pytest.raises(grpc.RpcError) as err:
+        list(c.generate("Once upon a time", temperature=0.0, max_tokens=480, ignore_eos=True, timeout=0.3))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - start < 5
     stack.wait_kv_clean()

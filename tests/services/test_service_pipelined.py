@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 
 from tests.services.conftest import PROMPTS, Stack, generate_all
-from tests.services.test_service_generate import GREEDY, test_32_concurrent_streams_with_half_cancelled as _half_cancelled
+from tests.services.test_service_generate import (
+    GREEDY,
+)
+from tests.services.test_service_generate import (
+    test_32_concurrent_streams_with_half_cancelled as _half_cancelled,
+)
 
 
 @pytest.fixture(scope="module")
