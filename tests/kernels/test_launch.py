@@ -45,10 +45,10 @@ def test_programmatic_dependent_launch_on_hopper(monkeypatch):
 
 
 def test_small_batch_pdl_only_where_steps_queue_back_to_back():
-    """The engine asks for PDL in its small-batch decode graphs unless it launches single steps
-    one at a time and waits for each (synchronous scheduling, one scheduler step)."""
+    """The engine asks for PDL in its small-batch decode graphs unless it launches steps one at
+    a time and waits for each (synchronous scheduling)."""
     from scheduler_svc.config import EngineConfig, small_batch_pdl
 
-    assert small_batch_pdl(None, 1) and small_batch_pdl(True, 1) and small_batch_pdl(False, 8)
-    assert not small_batch_pdl(False, 1)
+    assert small_batch_pdl(None) and small_batch_pdl(True)
+    assert not small_batch_pdl(False)
     assert EngineConfig().small_batch_pdl and not EngineConfig(async_scheduling=False).small_batch_pdl
