@@ -3,7 +3,7 @@
 `picovllm serve all`.
 
     python bench/http_vs_grpc.py --model path/to/Qwen3-0.6B --device cuda --out bench/results/http_vs_grpc_h200.md
-    python bench/http_vs_grpc.py --device cpu --num-requests 64 --concurrency 16 --max-tokens 32   # a quick look, bundled model
+    python bench/http_vs_grpc.py --device cpu --num-requests 64 --concurrency 16 --max-tokens 32   # bundled
 
 Every request has a token-id prompt (the same ids on both paths, so no tokenization differs)
 and ignores EOS, so both paths generate the same number of tokens. Runs alternate gRPC and
@@ -53,11 +53,33 @@ def make_workload(num: int, prompt_len: int, vocab: int, seed: int = 0) -> list[
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
     """`picovllm serve all` on free loopback ports; (process, gRPC address, HTTP URL)."""
     grpc_addr, http_port = f"127.0.0.1:{free_port()}", free_port()
-    argv = [sys.executable, "-m", "scheduler_svc.cli", "serve", "all", "--scheduler-addr", grpc_addr,
-            "--kvcache-addr", f"127.0.0.1:{free_port()}", "--model-addr", f"127.0.0.1:{free_port()}", "--metrics-port", "0",
-            "--port", str(http_port), "--device", args.device, "--max-model-len", str(args.prompt_len + args.max_tokens + 16)]
+    argv = [
+        sys.executable,
+        "-m",
+        "scheduler_svc.cli",
+        "serve",
+        "all",
+        "--scheduler-addr",
+        grpc_addr,
+        "--kvcache-addr",
+        f"127.0.0.1:{free_port()}",
+        "--model-addr",
+        f"127.0.0.1:{free_port()}",
+        "--metrics-port",
+        "0",
+        "--port",
+        str(http_port),
+        "--device",
+        args.device,
+        "--max-model-len",
+        str(args.prompt_len + args.max_tokens + 16),
+    ]
     argv += ["--model", args.model] if args.model else []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "PICOVLLM_INTERNAL_TOKEN": secrets.token_urlsafe(32)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "PICOVLLM_INTERNAL_TOKEN": secrets.token_urlsafe(32),
+    }
     env.pop("PICOVLLM_API_KEY", None)
     proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=sys.stderr)
     url = f"http://127.0.0.1:{http_port}"
@@ -107,8 +129,15 @@ async def grpc_one(stub, prompt: list[int], max_tokens: int) -> Timing:
 
 async def http_one(client, model: str, prompt: list[int], max_tokens: int) -> Timing:
     timing = Timing()
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             timing.arrivals.append(time.perf_counter())
@@ -117,7 +146,9 @@ async def http_one(client, model: str, prompt: list[int], max_tokens: int) -> Ti
     return timing
 
 
-async def run_once(kind: str, grpc_addr: str, url: str, model: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+async def run_once(
+    kind: str, grpc_addr: str, url: str, model: str, prompts: list[list[int]], args: argparse.Namespace
+) -> dict:
     import grpc
     import openai
 
@@ -140,9 +171,16 @@ async def run_once(kind: str, grpc_addr: str, url: str, model: str, prompts: lis
         await client.close()
     gaps = [g for t in timings for g in t.gaps()]
     ttfts = [t.ttft() for t in timings if t.ttft() is not None]
-    return {"kind": kind, "seconds": seconds, "tokens": sum(t.tokens for t in timings),
-            "tok_s": sum(t.tokens for t in timings) / seconds, "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
-            "gap_p50": percentile(gaps, 50), "gap_p99": percentile(gaps, 99)}
+    return {
+        "kind": kind,
+        "seconds": seconds,
+        "tokens": sum(t.tokens for t in timings),
+        "tok_s": sum(t.tokens for t in timings) / seconds,
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "gap_p50": percentile(gaps, 50),
+        "gap_p99": percentile(gaps, 99),
+    }
 
 
 async def measure(grpc_addr: str, url: str, args: argparse.Namespace) -> list[dict]:
@@ -165,27 +203,40 @@ async def measure(grpc_addr: str, url: str, args: argparse.Namespace) -> list[di
 
 def report(results: list[dict], args: argparse.Namespace) -> str:
     grpc_run, http_run = results
-    lines = [f"Workload: {args.num_requests} requests, {args.concurrency} at a time, {args.prompt_len}-token prompts, "
-             f"{args.max_tokens} tokens each (greedy, ignore_eos); median of {args.repeats} alternating runs.", "",
-             "| path | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | between messages p50 (ms) | p99 (ms) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"Workload: {args.num_requests} requests, {args.concurrency} at a time, {args.prompt_len}-token prompts, "
+        f"{args.max_tokens} tokens each (greedy, ignore_eos); median of {args.repeats} alternating runs.",
+        "",
+        "| path | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | between messages p50 (ms) | p99 (ms) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in results:
-        lines.append(f"| {r['kind']} | {r['tok_s']:.1f} | {r['ttft_p50'] * 1e3:.2f} | {r['ttft_p99'] * 1e3:.2f} | "
-                     f"{r['gap_p50'] * 1e3:.3f} | {r['gap_p99'] * 1e3:.3f} |")
+        lines.append(
+            f"| {r['kind']} | {r['tok_s']:.1f} | {r['ttft_p50'] * 1e3:.2f} | {r['ttft_p99'] * 1e3:.2f} | "
+            f"{r['gap_p50'] * 1e3:.3f} | {r['gap_p99'] * 1e3:.3f} |"
+        )
     lines += ["", f"HTTP throughput / gRPC throughput: {100 * http_run['tok_s'] / grpc_run['tok_s']:.1f} %"]
     return "\n".join(lines)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="a model directory, or qwen3-0.6b / tiny: random weights with the Qwen2 "
-                                                 "tokenizer (bench/serve.py) (default: the bundled stories260k)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a model directory, or qwen3-0.6b / tiny: random weights with the Qwen2 "
+        "tokenizer (bench/serve.py) (default: the bundled stories260k)",
+    )
     p.add_argument("--device", default="cuda", help="the model service's device (default: cuda)")
     p.add_argument("--num-requests", type=int, default=512, help="requests per run (default: 512)")
     p.add_argument("--concurrency", type=int, default=128, help="requests in flight at once (default: 128)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request (default: 256)")
-    p.add_argument("--vocab", type=int, default=500, help="prompt ids are drawn from [3, VOCAB) (default: 500, fits every model)")
+    p.add_argument(
+        "--vocab", type=int, default=500, help="prompt ids are drawn from [3, VOCAB) (default: 500, fits every model)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs of each path (default: 3)")
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for serve all (default: 900)")
     p.add_argument("--grpc-addr", default=None, help="a running scheduler's address (with --http-url): start nothing")
@@ -210,8 +261,10 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     print(text)
     if args.out:
-        Path(args.out).write_text(f"# HTTP gateway vs gRPC\n\nDate: {time.strftime('%Y-%m-%d')}. Command: "
-                                  f"`python bench/http_vs_grpc.py {' '.join(sys.argv[1:])}`\n\n{text}\n")
+        Path(args.out).write_text(
+            f"# HTTP gateway vs gRPC\n\nDate: {time.strftime('%Y-%m-%d')}. Command: "
+            f"`python bench/http_vs_grpc.py {' '.join(sys.argv[1:])}`\n\n{text}\n"
+        )
     return 0
 
 

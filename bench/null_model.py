@@ -24,15 +24,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from contracts.model_info import ModelFacts  # noqa: E402
 from contracts.step import SampledToken, StepInput, StepOutput  # noqa: E402
-from model_svc.client import RemoteModelConfig  # noqa: E402
 
 
-def model_config(model_dir: str) -> RemoteModelConfig:
+def model_config(model_dir: str) -> ModelFacts:
     c = json.loads(Path(model_dir, "config.json").read_text())
     eos = c.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return RemoteModelConfig(c.get("model_type", "llama"), c["vocab_size"], c.get("max_position_embeddings", 4096), eos, c.get("bos_token_id"))
+    return ModelFacts(
+        c.get("model_type", "llama"),
+        c["vocab_size"],
+        c.get("max_position_embeddings", 4096),
+        eos,
+        c.get("bos_token_id"),
+    )
 
 
 class NullRunner:
@@ -40,11 +46,23 @@ class NullRunner:
 
     dtype = "float32"
 
-    def __init__(self, model_dir: str, step_ms: float, num_device_blocks: int = 8192, num_host_blocks: int = 0, block_size: int = 16,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        step_ms: float,
+        num_device_blocks: int = 8192,
+        num_host_blocks: int = 0,
+        block_size: int = 16,
+        device: str = "cpu",
+    ) -> None:
         self.config = model_config(model_dir)
         self.step_s = step_ms / 1e3
-        self.num_device_blocks, self.num_host_blocks, self.block_size, self.device = num_device_blocks, num_host_blocks, block_size, device
+        self.num_device_blocks, self.num_host_blocks, self.block_size, self.device = (
+            num_device_blocks,
+            num_host_blocks,
+            block_size,
+            device,
+        )
         self._free_at = 0.0  # when the emulated device is done with what is queued
         self._lock = threading.Lock()
         self._banned = set(self.config.eos_token_ids)
@@ -57,7 +75,13 @@ class NullRunner:
     def launch(self, inp: StepInput):
         with self._lock:
             done_at = self._free_at = max(time.monotonic(), self._free_at) + self.step_s
-        out = StepOutput([SampledToken(s.seq_id, self._token(s.seq_id, s.start_pos + len(s.token_ids))) for s in inp.seqs if s.sample])
+        out = StepOutput(
+            [
+                SampledToken(s.seq_id, self._token(s.seq_id, s.start_pos + len(s.token_ids)))
+                for s in inp.seqs
+                if s.sample
+            ]
+        )
         return _Launched(done_at, out)
 
     def step(self, inp: StepInput) -> StepOutput:
@@ -89,8 +113,11 @@ async def serve(address: str, runner: NullRunner, max_num_seqs: int) -> None:
 
     service = ModelService(ModelSection(address=address, model="null"), max_num_seqs, runner=runner)
     servicer = ModelServicer(service, ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner"))
-    running = await start_server(address, [(pb_grpc.add_ModelServiceServicer_to_server, servicer, SERVICE_NAME)],
-                                 auth_token=read_secret(INTERNAL_TOKEN_ENV))
+    running = await start_server(
+        address,
+        [(pb_grpc.add_ModelServiceServicer_to_server, servicer, SERVICE_NAME)],
+        auth_token=read_secret(INTERNAL_TOKEN_ENV),
+    )
     await running.set_serving(True)
     announce(f"null model service ready: gRPC {running.address} ({runner.step_s * 1e3:g} ms a step)")
     await stop_event().wait()
@@ -100,7 +127,9 @@ async def serve(address: str, runner: NullRunner, max_num_seqs: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-addr", required=True, help="address to listen on")
-    p.add_argument("--model", required=True, help="a model directory (its config.json: vocabulary, end-of-sequence ids)")
+    p.add_argument(
+        "--model", required=True, help="a model directory (its config.json: vocabulary, end-of-sequence ids)"
+    )
     p.add_argument("--step-ms", type=float, default=0.0, help="emulated device time of one step (default: 0)")
     p.add_argument("--num-gpu-blocks", type=int, default=8192, help="device KV blocks (default: 8192)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="the scheduler's batch limit (default: 256)")

@@ -4,7 +4,7 @@ the same model directory and workload, in one run.
 
     python bench/serve.py --model qwen3-0.6b --device cuda --out bench/results/serve_h200.md
     python bench/serve.py --model path/to/hf-dir --device cuda --clients 4
-    python bench/serve.py --device cpu --num-requests 64 --min-len 16 --max-input-len 128 --max-output-len 64   # bundled model
+    python bench/serve.py --device cpu --num-requests 64 --min-len 16 --max-input-len 128 --max-output-len 64
 
 `--model qwen3-0.6b` (or `tiny`) writes random weights of that architecture to a temporary
 directory with the real Qwen2 tokenizer of tests/fixtures beside them, so the server
@@ -27,6 +27,7 @@ output lengths, seeded):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import multiprocessing as mp
@@ -98,18 +99,31 @@ def prepare_model(model: str | None, weights: bool = True) -> tuple[str, str | N
     return model, None
 
 
-def make_jobs(num: int, min_len: int, max_input: int, max_output: int, vocab: int, seed: int, temperature: float,
-              keep_ids: bool = False) -> list[Job]:
+def make_jobs(
+    num: int,
+    min_len: int,
+    max_input: int,
+    max_output: int,
+    vocab: int,
+    seed: int,
+    temperature: float,
+    keep_ids: bool = False,
+) -> list[Job]:
     """nano-vllm's bench.py workload: prompt ids in [0, 10000] (within the vocabulary),
     prompt and output lengths uniform in [min_len, max] (an output maximum below min_len: up to it)."""
     rng = random.Random(seed)
     top = min(10000, vocab - 1)
     prompts = [[rng.randint(0, top) for _ in range(rng.randint(min_len, max_input))] for _ in range(num)]
-    return [Job(i, p, rng.randint(min(min_len, max_output), max_output), temperature, keep_ids) for i, p in enumerate(prompts)]
+    return [
+        Job(i, p, rng.randint(min(min_len, max_output), max_output), temperature, keep_ids)
+        for i, p in enumerate(prompts)
+    ]
 
 
 # ----------------------------------------------------------------- embedded
-def _embedded_main(model_dir: str, device: str, engine_kwargs: dict, warm: list[Job], jobs: list[Job], parity: list[Job], conn) -> None:
+def _embedded_main(
+    model_dir: str, device: str, engine_kwargs: dict, warm: list[Job], jobs: list[Job], parity: list[Job], conn
+) -> None:
     import torch
 
     from scheduler_svc import LLM, SamplingParams
@@ -128,26 +142,41 @@ def _embedded_main(model_dir: str, device: str, engine_kwargs: dict, warm: list[
 
         blocks = engine_kwargs.pop("num_gpu_blocks") or 8192
         runner = NullRunner(model_dir, null_ms, blocks)
-        config = EngineConfig(model=model_dir, device="cpu", num_gpu_blocks=blocks, async_scheduling=True, **engine_kwargs)
+        config = EngineConfig(
+            model=model_dir, device="cpu", num_gpu_blocks=blocks, async_scheduling=True, **engine_kwargs
+        )
         llm = LLM.from_engine(LLMEngine(config, model=runner))
     llm.generate([j.prompt for j in warm], [params(j) for j in warm])
-    parity_ids = [llm.generate([j.prompt], params(j))[0].token_ids for j in parity]  # one at a time, as the service run does
+    parity_ids = [
+        llm.generate([j.prompt], params(j))[0].token_ids for j in parity
+    ]  # one at a time, as the service run does
     llm.engine.reset_prefix_cache()
     sync()
     start = time.perf_counter()
     outs = llm.generate([j.prompt for j in jobs], [params(j) for j in jobs])
     sync()
     seconds = time.perf_counter() - start
-    conn.send({"seconds": seconds, "tokens": sum(len(o.token_ids) for o in outs), "counts": [len(o.token_ids) for o in outs],
-               "parity": parity_ids, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "CPU",
-               "num_device_blocks": llm.engine.model.num_device_blocks})
+    conn.send(
+        {
+            "seconds": seconds,
+            "tokens": sum(len(o.token_ids) for o in outs),
+            "counts": [len(o.token_ids) for o in outs],
+            "parity": parity_ids,
+            "device": torch.cuda.get_device_name() if device.startswith("cuda") else "CPU",
+            "num_device_blocks": llm.engine.model.num_device_blocks,
+        }
+    )
     conn.close()
 
 
 def run_embedded(model_dir: str, args: argparse.Namespace, warm: list[Job], jobs: list[Job], parity: list[Job]) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, num_gpu_blocks=args.num_gpu_blocks)
+    kwargs = dict(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_gpu_blocks=args.num_gpu_blocks,
+    )
     if args.null_model is not None:
         kwargs["null_model_ms"] = args.null_model
     proc = ctx.Process(target=_embedded_main, args=(model_dir, args.device, kwargs, warm, jobs, parity, child))
@@ -166,25 +195,70 @@ def _server_argv(model_dir: str, args: argparse.Namespace, address: str) -> list
     """`picovllm serve all` (no HTTP gateway, no metrics port) on free loopback ports; with
     --null-model its three services one by one, the model service replaced by the null one."""
     cli = [sys.executable, "-m", "scheduler_svc.cli", "serve"]
-    addrs = ["--scheduler-addr", address, "--kvcache-addr", f"127.0.0.1:{free_port()}", "--model-addr", f"127.0.0.1:{free_port()}"]
+    addrs = [
+        "--scheduler-addr",
+        address,
+        "--kvcache-addr",
+        f"127.0.0.1:{free_port()}",
+        "--model-addr",
+        f"127.0.0.1:{free_port()}",
+    ]
     limits = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.null_model is None:
         blocks = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
-        return [cli + ["all", *addrs, "--metrics-port", "0", "--port", "0", "--model", model_dir, "--device", args.device, *limits, *blocks]]
-    null = [sys.executable, "-m", "bench.null_model", "--model-addr", addrs[5], "--model", model_dir, "--step-ms", str(args.null_model),
-            "--num-gpu-blocks", str(args.num_gpu_blocks or 8192), "--max-num-seqs", str(args.max_num_seqs)]
-    return [cli + ["kvcache", *addrs], null,
-            cli + ["scheduler", *addrs, "--metrics-port", "0", "--model", model_dir, "--async-scheduling", *limits]]
+        return [
+            cli
+            + [
+                "all",
+                *addrs,
+                "--metrics-port",
+                "0",
+                "--port",
+                "0",
+                "--model",
+                model_dir,
+                "--device",
+                args.device,
+                *limits,
+                *blocks,
+            ]
+        ]
+    null = [
+        sys.executable,
+        "-m",
+        "bench.null_model",
+        "--model-addr",
+        addrs[5],
+        "--model",
+        model_dir,
+        "--step-ms",
+        str(args.null_model),
+        "--num-gpu-blocks",
+        str(args.num_gpu_blocks or 8192),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+    ]
+    return [
+        cli + ["kvcache", *addrs],
+        null,
+        cli + ["scheduler", *addrs, "--metrics-port", "0", "--model", model_dir, "--async-scheduling", *limits],
+    ]
 
 
 def start_server(model_dir: str, args: argparse.Namespace) -> tuple[list[subprocess.Popen], str]:
     from contracts.health import check_health
 
     address = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "PICOVLLM_INTERNAL_TOKEN": secrets.token_urlsafe(32)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "PICOVLLM_INTERNAL_TOKEN": secrets.token_urlsafe(32),
+    }
     env.pop("PICOVLLM_API_KEY", None)
-    procs = [subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
-             for argv in _server_argv(model_dir, args, address)]
+    procs = [
+        subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
+        for argv in _server_argv(model_dir, args, address)
+    ]
     deadline = time.monotonic() + args.startup_timeout
     while not check_health(address, timeout=1.0):
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
@@ -213,16 +287,43 @@ def start_py_spy(procs: list[subprocess.Popen], out_dir: str) -> list[subprocess
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     found = []
     for proc in procs:
-        found += subprocess.run(["ps", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.splitlines()
+        found += subprocess.run(
+            ["ps", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True
+        ).stdout.splitlines()
     spies = []
     for line in found:
         pid, _, cmd = line.strip().partition(" ")
         if "python" not in cmd or " all " in f"{cmd} ":
             continue
-        kind = cmd.split("serve", 1)[1].split()[0] if " serve " in cmd else cmd.split()[2] if len(cmd.split()) > 2 else "python"
+        kind = (
+            cmd.split("serve", 1)[1].split()[0]
+            if " serve " in cmd
+            else cmd.split()[2]
+            if len(cmd.split()) > 2
+            else "python"
+        )
         out = Path(out_dir, f"{kind.rsplit('.', 1)[-1]}-{pid}.txt")
-        spies.append(subprocess.Popen(["py-spy", "record", "-p", pid, "-r", "200", "-f", "raw", "-o", str(out), "--nonblocking", "--gil", "--threads"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        spies.append(
+            subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "-p",
+                    pid,
+                    "-r",
+                    "200",
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(out),
+                    "--nonblocking",
+                    "--gil",
+                    "--threads",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
     return spies
 
 
@@ -232,13 +333,22 @@ def server_cpu(procs: list[subprocess.Popen]) -> dict[str, float]:
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     found: dict[str, float] = {}
     for proc in procs:
-        lines = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.splitlines()
+        lines = subprocess.run(
+            ["ps", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True
+        ).stdout.splitlines()
         for line in lines:
             pid, _, cmd = line.strip().partition(" ")
             if "python" not in cmd or " all " in f"{cmd} ":
                 continue
-            kind = ("engine" if "engine_core" in cmd else "null model" if "null_model" in cmd
-                    else cmd.split(" serve ", 1)[1].split()[0] if " serve " in cmd else "other")
+            kind = (
+                "engine"
+                if "engine_core" in cmd
+                else "null model"
+                if "null_model" in cmd
+                else cmd.split(" serve ", 1)[1].split()[0]
+                if " serve " in cmd
+                else "other"
+            )
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
             except OSError:
@@ -257,8 +367,15 @@ def stop_py_spy(spies: list[subprocess.Popen]) -> None:
             spy.kill()
 
 
-def run_service(address: str, server: list[subprocess.Popen], args: argparse.Namespace, warm: list[Job], jobs: list[Job],
-                latency: list[Job], parity: list[Job]) -> dict:
+def run_service(
+    address: str,
+    server: list[subprocess.Popen],
+    args: argparse.Namespace,
+    warm: list[Job],
+    jobs: list[Job],
+    latency: list[Job],
+    parity: list[Job],
+) -> dict:
     run_clients(address, warm, 1)
     parity_records = run_clients(address, parity, 1, sequential=True) if parity else []
     spies = start_py_spy(server, args.py_spy) if args.py_spy else []
@@ -269,8 +386,13 @@ def run_service(address: str, server: list[subprocess.Popen], args: argparse.Nam
         stop_py_spy(spies)
     cpu = {k: v - cpu_before.get(k, 0.0) for k, v in server_cpu(server).items()}
     latency_records = run_clients(address, latency, 1, concurrency=args.latency_streams)
-    return {"throughput": summarize(throughput), "counts": [r.tokens for r in throughput], "latency": summarize(latency_records),
-            "parity": [r.token_ids for r in parity_records], "cpu": cpu}
+    return {
+        "throughput": summarize(throughput),
+        "counts": [r.tokens for r in throughput],
+        "latency": summarize(latency_records),
+        "parity": [r.token_ids for r in parity_records],
+        "cpu": cpu,
+    }
 
 
 # ----------------------------------------------------------------- report
@@ -283,17 +405,21 @@ def _version(name: str) -> str:
 
 def _host() -> str:
     name = platform.processor() or platform.machine()
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with contextlib.suppress(OSError, StopIteration):
+        name = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     return f"{name}, {os.cpu_count()} CPUs"
 
 
 def _device_name(device: str) -> str:
     """The GPU's name without touching it from this process (nvidia-smi), else `device`."""
     if device.startswith("cuda") and shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip().splitlines()[0]
     return device
@@ -301,8 +427,10 @@ def _device_name(device: str) -> str:
 
 def _row(name: str, s: dict, embedded_tok_s: float | None) -> str:
     ratio = f"{s['tok_s'] / embedded_tok_s:.1%}" if embedded_tok_s else ""
-    return (f"| {name} | {s['requests']} | {s['tokens']} | {s['seconds']:.2f} | {s['tok_s']:,.0f} | {ratio} | {s['ttft_p50'] * 1e3:.1f} | "
-            f"{s['ttft_p99'] * 1e3:.1f} | {s['itl_p50'] * 1e3:.2f} | {s['itl_p99'] * 1e3:.2f} | {s['tokens_per_message']:.2f} |")
+    return (
+        f"| {name} | {s['requests']} | {s['tokens']} | {s['seconds']:.2f} | {s['tok_s']:,.0f} | {ratio} | {s['ttft_p50'] * 1e3:.1f} | "
+        f"{s['ttft_p99'] * 1e3:.1f} | {s['itl_p50'] * 1e3:.2f} | {s['itl_p99'] * 1e3:.2f} | {s['tokens_per_message']:.2f} |"
+    )
 
 
 def _parity_line(service: list[list[int]], embedded: list[list[int]] | None) -> str:
@@ -315,7 +443,8 @@ def _parity_line(service: list[list[int]], embedded: list[list[int]] | None) -> 
             diverged.append(f"prompt {i} at token {at}")
     equal = len(service) - len(diverged)
     return f"greedy parity (one prompt at a time, temperature 0): {equal}/{len(service)} equal to embedded" + (
-        f"; diverged: {', '.join(diverged)}" if diverged else "")
+        f"; diverged: {', '.join(diverged)}" if diverged else ""
+    )
 
 
 def report(args: argparse.Namespace, jobs: list[Job], embedded: dict | None, service: dict) -> str:
@@ -337,19 +466,29 @@ def report(args: argparse.Namespace, jobs: list[Job], embedded: dict | None, ser
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     if embedded:
-        lines.append(f"| embedded `LLM.generate` | {len(jobs)} | {embedded['tokens']} | {embedded['seconds']:.2f} | {emb_tok_s:,.0f} | 100.0% "
-                     "| | | | | |")
+        lines.append(
+            f"| embedded `LLM.generate` | {len(jobs)} | {embedded['tokens']} | {embedded['seconds']:.2f} | {emb_tok_s:,.0f} | 100.0% "
+            "| | | | | |"
+        )
     lines.append(_row(f"service, {args.clients} client processes, all streams at once", thr, emb_tok_s))
     lines.append(_row(f"service, {args.latency_streams} streams at a time (latency-bound)", lat, None))
     counts_ok = service["counts"] == want and (embedded is None or embedded["counts"] == want)
-    lines += ["", f"token counts: service {thr['tokens']}, embedded {embedded['tokens'] if embedded else '-'}, wanted {sum(want)}: "
-              f"{'every stream equal to its max_tokens' if counts_ok else 'MISMATCH'}; usage vs streamed tokens mismatches: "
-              f"{thr['usage_mismatch']}; largest message {thr['max_tokens_per_message']} tokens",
-              _parity_line(service["parity"], embedded["parity"] if embedded else None)]
+    lines += [
+        "",
+        f"token counts: service {thr['tokens']}, embedded {embedded['tokens'] if embedded else '-'}, wanted {sum(want)}: "
+        f"{'every stream equal to its max_tokens' if counts_ok else 'MISMATCH'}; usage vs streamed tokens mismatches: "
+        f"{thr['usage_mismatch']}; largest message {thr['max_tokens_per_message']} tokens",
+        _parity_line(service["parity"], embedded["parity"] if embedded else None),
+    ]
     if service["cpu"]:
-        lines.append("CPU of the server's processes during the throughput case (seconds, share of its wall time, us per output "
-                     "token): " + "; ".join(f"{k} {v:.2f} s, {v / thr['seconds']:.0%}, {v / max(1, thr['tokens']) * 1e6:.1f} us"
-                                            for k, v in sorted(service["cpu"].items(), key=lambda kv: -kv[1])))
+        lines.append(
+            "CPU of the server's processes during the throughput case (seconds, share of its wall time, us per output "
+            "token): "
+            + "; ".join(
+                f"{k} {v:.2f} s, {v / thr['seconds']:.0%}, {v / max(1, thr['tokens']) * 1e6:.1f} us"
+                for k, v in sorted(service["cpu"].items(), key=lambda kv: -kv[1])
+            )
+        )
     errors = thr["errors"] + lat["errors"]
     if errors:
         lines += [f"errors ({len(errors)}): {errors[:3]}"]
@@ -358,8 +497,12 @@ def report(args: argparse.Namespace, jobs: list[Job], embedded: dict | None, ser
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="a model directory, or qwen3-0.6b / tiny: random weights with the Qwen2 tokenizer "
-                                                 "(default: the bundled stories260k)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a model directory, or qwen3-0.6b / tiny: random weights with the Qwen2 tokenizer "
+        "(default: the bundled stories260k)",
+    )
     p.add_argument("--device", default="cuda", help="cpu or cuda (default: cuda)")
     p.add_argument("--num-requests", type=int, default=256, help="requests of the throughput case (default: 256)")
     p.add_argument("--min-len", type=int, default=100, help="shortest prompt and output (default: 100)")
@@ -368,19 +511,33 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of the workload (default: 0.6)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p.add_argument("--clients", type=int, default=4, help="client processes of the throughput case (default: 4)")
-    p.add_argument("--latency-streams", type=int, default=8, help="streams at a time in the latency-bound case (default: 8)")
+    p.add_argument(
+        "--latency-streams", type=int, default=8, help="streams at a time in the latency-bound case (default: 8)"
+    )
     p.add_argument("--latency-requests", type=int, default=32, help="requests of the latency-bound case (default: 32)")
     p.add_argument("--parity-prompts", type=int, default=8, help="greedy prompts compared with embedded (default: 8)")
     p.add_argument("--parity-tokens", type=int, default=64, help="tokens per greedy prompt (default: 64)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step, both paths (default: 256)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens per step, both paths (default: 16384)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=16384, help="tokens per step, both paths (default: 16384)"
+    )
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="device KV blocks, both paths (default: measured)")
     p.add_argument("--no-embedded", action="store_true", help="skip the embedded reference")
-    p.add_argument("--null-model", type=float, default=None, metavar="MS",
-                   help="no model: a null model service (bench/null_model.py) answering after MS of emulated device time a "
-                        "step, on both paths (no weights are built; no parity check): the scheduler's own cost")
+    p.add_argument(
+        "--null-model",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="no model: a null model service (bench/null_model.py) answering after MS of emulated device time a "
+        "step, on both paths (no weights are built; no parity check): the scheduler's own cost",
+    )
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for serve all (default: 900)")
-    p.add_argument("--py-spy", default=None, metavar="DIR", help="sample the server's processes during the throughput case into DIR")
+    p.add_argument(
+        "--py-spy",
+        default=None,
+        metavar="DIR",
+        help="sample the server's processes during the throughput case into DIR",
+    )
     p.add_argument("--out", default=None, help="also write the result as markdown to this file")
     args = p.parse_args()
     if args.null_model is not None:
@@ -388,14 +545,31 @@ def main() -> int:
     model_dir, tmp = prepare_model(args.model, weights=args.null_model is None)
     try:
         vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
-        jobs = make_jobs(args.num_requests, args.min_len, args.max_input_len, args.max_output_len, vocab, args.seed, args.temperature)
-        warm = make_jobs(min(32, args.num_requests), args.min_len, args.max_input_len, 16, vocab, args.seed + 1, args.temperature)
-        parity = [Job(j.index, j.prompt, args.parity_tokens, 0.0, True)
-                  for j in make_jobs(args.parity_prompts, args.min_len, args.max_input_len, args.min_len, vocab, args.seed + 2, 0.0)
-                  if args.null_model is None]
-        latency = [Job(j.index, j.prompt, min(j.max_tokens, 256), j.temperature)
-                   for j in make_jobs(args.latency_requests, args.min_len, args.max_input_len, args.max_output_len, vocab, args.seed + 3,
-                                      args.temperature)]
+        jobs = make_jobs(
+            args.num_requests, args.min_len, args.max_input_len, args.max_output_len, vocab, args.seed, args.temperature
+        )
+        warm = make_jobs(
+            min(32, args.num_requests), args.min_len, args.max_input_len, 16, vocab, args.seed + 1, args.temperature
+        )
+        parity = [
+            Job(j.index, j.prompt, args.parity_tokens, 0.0, True)
+            for j in make_jobs(
+                args.parity_prompts, args.min_len, args.max_input_len, args.min_len, vocab, args.seed + 2, 0.0
+            )
+            if args.null_model is None
+        ]
+        latency = [
+            Job(j.index, j.prompt, min(j.max_tokens, 256), j.temperature)
+            for j in make_jobs(
+                args.latency_requests,
+                args.min_len,
+                args.max_input_len,
+                args.max_output_len,
+                vocab,
+                args.seed + 3,
+                args.temperature,
+            )
+        ]
         embedded = None if args.no_embedded else run_embedded(model_dir, args, warm, jobs, parity)
         if embedded:
             print(f"embedded: {embedded['tokens'] / embedded['seconds']:,.0f} tok/s", file=sys.stderr)

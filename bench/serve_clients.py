@@ -42,7 +42,9 @@ class Record:
 
 
 async def _one(stub, pb, job: Job, timeout: float) -> Record:
-    request = pb.GenerateRequest(sampling=pb.SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, ignore_eos=True))
+    request = pb.GenerateRequest(
+        sampling=pb.SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, ignore_eos=True)
+    )
     request.token_ids.ids.extend(job.prompt)
     record = Record(job.index, time.monotonic(), token_ids=[] if job.keep_ids else None)
     try:
@@ -60,7 +62,9 @@ async def _one(stub, pb, job: Job, timeout: float) -> Record:
     return record
 
 
-async def _drive(address: str, jobs: list[Job], concurrency: int, sequential: bool, barrier, timeout: float) -> list[Record]:
+async def _drive(
+    address: str, jobs: list[Job], concurrency: int, sequential: bool, barrier, timeout: float
+) -> list[Record]:
     import grpc
 
     from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
@@ -83,7 +87,9 @@ async def _drive(address: str, jobs: list[Job], concurrency: int, sequential: bo
         return list(await asyncio.gather(*(bounded(job) for job in jobs)))
 
 
-def client_main(address: str, jobs: list[Job], concurrency: int, sequential: bool, barrier, conn, timeout: float) -> None:
+def client_main(
+    address: str, jobs: list[Job], concurrency: int, sequential: bool, barrier, conn, timeout: float
+) -> None:
     """Entry point of one client process: the records go back through `conn`."""
     try:
         conn.send(asyncio.run(_drive(address, jobs, concurrency, sequential, barrier, timeout)))
@@ -93,8 +99,14 @@ def client_main(address: str, jobs: list[Job], concurrency: int, sequential: boo
         conn.close()
 
 
-def run_clients(address: str, jobs: list[Job], num_clients: int, concurrency: int | None = None, sequential: bool = False,
-                timeout: float = 3600.0) -> list[Record]:
+def run_clients(
+    address: str,
+    jobs: list[Job],
+    num_clients: int,
+    concurrency: int | None = None,
+    sequential: bool = False,
+    timeout: float = 3600.0,
+) -> list[Record]:
     """Spread `jobs` round-robin over `num_clients` processes that start streaming together;
     `concurrency`: streams in flight per process at most (None: all of its jobs at once)."""
     ctx = mp.get_context("spawn")
@@ -104,7 +116,11 @@ def run_clients(address: str, jobs: list[Job], num_clients: int, concurrency: in
     for i in range(num_clients):
         mine = jobs[i::num_clients]
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=client_main, args=(address, mine, concurrency or len(mine), sequential, barrier, child, timeout), daemon=True)
+        p = ctx.Process(
+            target=client_main,
+            args=(address, mine, concurrency or len(mine), sequential, barrier, child, timeout),
+            daemon=True,
+        )
         p.start()
         child.close()
         procs.append(p)
@@ -144,9 +160,16 @@ def summarize(records: list[Record]) -> dict:
             itl += [(now - prev) / k] * k
     messages = sum(len(r.counts) for r in records)
     return {
-        "requests": len(records), "tokens": tokens, "seconds": end - start, "tok_s": tokens / (end - start) if end > start else 0.0,
-        "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "itl_p50": percentile(itl, 50),
-        "itl_p99": percentile(itl, 99), "tokens_per_message": tokens / messages if messages else 0.0,
-        "max_tokens_per_message": max((max(r.counts) for r in done), default=0), "errors": errors,
+        "requests": len(records),
+        "tokens": tokens,
+        "seconds": end - start,
+        "tok_s": tokens / (end - start) if end > start else 0.0,
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "itl_p50": percentile(itl, 50),
+        "itl_p99": percentile(itl, 99),
+        "tokens_per_message": tokens / messages if messages else 0.0,
+        "max_tokens_per_message": max((max(r.counts) for r in done), default=0),
+        "errors": errors,
         "usage_mismatch": sum(1 for r in records if r.completion_tokens != r.tokens),
     }

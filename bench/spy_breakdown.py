@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+from pathlib import Path
 
 # (category, patterns): a stack matching any pattern belongs to the category.
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
@@ -25,12 +26,19 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("engine: step frame out (deltas, pickle, socket)", ("EngineCore._delta", "FrameChannel.send", "engine_stats")),
     ("engine: commands in (add, abort)", ("AsyncLLM._apply_commands", "EngineCore._apply", "FrameChannel.receive")),
     ("engine: scheduling and KV bookkeeping", ("Scheduler.schedule", "Scheduler.update", "KVClient.")),
-    ("engine: model and KV calls (convert, send, wait)", ("ServiceEngine._launch", "_RemoteStep", "RemoteModel.", "LLMEngine._drain")),
+    (
+        "engine: model and KV calls (convert, send, wait)",
+        ("ServiceEngine._launch", "_RemoteStep", "RemoteModel.", "LLMEngine._drain"),
+    ),
     ("engine: rest of the step", ("ServiceEngine.step", "AsyncLLM._run", "EngineCore.run")),
-    ("gRPC client threads (KV ApplyStep sender, model step stream)", ("_worker", "consume_request_iterator", "channel_spin",
-                                                                     "_StepStream", "Thread.run")),
-    ("loop: per-output wait machinery (a task, asyncio.wait and a timer per output)", ("SchedulerServicer._stream", "^wait",
-                                                                                      "^_wait")),
+    (
+        "gRPC client threads (KV ApplyStep sender, model step stream)",
+        ("_worker", "consume_request_iterator", "channel_spin", "_StepStream", "Thread.run"),
+    ),
+    (
+        "loop: per-output wait machinery (a task, asyncio.wait and a timer per output)",
+        ("SchedulerServicer._stream", "^wait", "^_wait"),
+    ),
     ("loop: protobuf message per output", ("output_to_pb", "chunk_to_pb")),
     ("loop: metrics per message", ("StreamTimer.",)),
     ("loop: engine frames in (read, unpickle, merge)", ("EngineClient._read_loop", "OutputStream.put")),
@@ -56,7 +64,7 @@ def classify(stack: str) -> str:
 
 def load(path: str) -> collections.Counter:
     counts: collections.Counter = collections.Counter()
-    for line in open(path):
+    for line in Path(path).read_text().splitlines():
         stack, _, n = line.rstrip().rpartition(" ")
         frames = [re.sub(r" \(.*\)$", "", f) for f in stack.split(";")]
         counts[classify(";".join(frames[1:] if frames[0].startswith("thread") else frames))] += int(n)
@@ -76,7 +84,10 @@ def main() -> None:
         counts += load(f)
     total = sum(counts.values())
     held = total / args.rate
-    print(f"GIL held {held:.2f} s" + (f" of {args.seconds:.2f} s wall ({held / args.seconds:.0%})" if args.seconds else ""))
+    print(
+        f"GIL held {held:.2f} s"
+        + (f" of {args.seconds:.2f} s wall ({held / args.seconds:.0%})" if args.seconds else "")
+    )
     print("\n| where | share | us/token | us/step |\n| --- | ---: | ---: | ---: |")
     for name, n in counts.most_common():
         per_token = f"{n / args.rate / args.tokens * 1e6:.2f}" if args.tokens else ""

@@ -5,9 +5,7 @@ HTTP gateway. Servers add grpcio-health-checking's servicer (contracts.rpc).
 
 from __future__ import annotations
 
-import asyncio
 import sys
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -17,49 +15,6 @@ HealthCheckRequest = health_pb2.HealthCheckRequest
 HealthCheckResponse = health_pb2.HealthCheckResponse
 SERVING, NOT_SERVING = HealthCheckResponse.SERVING, HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = HealthCheckResponse.SERVICE_UNKNOWN
-
-
-# TODO(merge): dead (grpcio-health-checking is a dependency, and contracts.rpc no longer falls
-# back to it); only test_fallback_health_speaks_grpc_health_v1 in tests/services/
-# test_config_and_protos.py, left untouched until the engine-core change lands, still builds
-# one. Delete it with that test.
-class FallbackHealthServicer:
-    """Check and Watch of grpc.health.v1 for an aio server; `set` as in grpc_health."""
-
-    def __init__(self) -> None:
-        self._status: dict[str, int] = {}
-        self._changed = asyncio.Condition()
-
-    async def set(self, service: str, status: int) -> None:
-        async with self._changed:
-            self._status[service] = status
-            self._changed.notify_all()
-
-    async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if request.service not in self._status:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        return HealthCheckResponse(status=self._status[request.service])
-
-    async def Watch(self, request: Any, context: grpc.aio.ServicerContext):
-        last = None
-        while True:
-            status = self._status.get(request.service, SERVICE_UNKNOWN)
-            if status != last:
-                yield HealthCheckResponse(status=status)
-                last = status
-            async with self._changed:
-                await self._changed.wait()
-
-    def add_to_server(self, server: grpc.aio.Server) -> None:
-        handlers = {
-            "Check": grpc.unary_unary_rpc_method_handler(
-                self.Check, HealthCheckRequest.FromString, HealthCheckResponse.SerializeToString
-            ),
-            "Watch": grpc.unary_stream_rpc_method_handler(
-                self.Watch, HealthCheckRequest.FromString, HealthCheckResponse.SerializeToString
-            ),
-        }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
 def check(channel: grpc.Channel, service: str = "", timeout: float = 1.0) -> int:

@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from contracts.auth import REDIS_URL_ENV, mask_url, read_secret
 
@@ -74,10 +74,6 @@ class SchedulerSection:
     preemption_mode: str = "swap"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # TODO(merge): not a key any more (multi-step scheduling was removed); scheduler_svc/
-    # remote_engine.py, left untouched until the engine-core change lands, still reads it.
-    # Delete it with that read.
-    num_scheduler_steps: ClassVar[int] = 1
     async_scheduling: bool | None = (
         None  # pipeline the model steps (two ahead); None: on when the model service runs on a GPU
     )

@@ -8,7 +8,6 @@ step's (the model service keeps each sequence's table).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from contracts.sampling_params import SamplingParams
 
@@ -48,9 +47,6 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    # TODO(merge): always empty; scheduler_svc/engine.py (left untouched until the engine-core
-    # change lands) still reads it. Delete it with that read.
-    extra_token_ids: ClassVar[tuple[int, ...]] = ()
 
 
 @dataclass(slots=True)

@@ -59,10 +59,6 @@ class EngineConfig:
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     kernel_backend: str | None = None  # None: triton on cuda, torch otherwise
     enforce_eager: bool = False  # True: no CUDA graphs
-    # TODO(merge): only 1 is accepted (multi-step scheduling was removed); scheduler_svc/engine.py
-    # and remote_engine.py, left untouched until the engine-core change lands, still read it.
-    # Delete it with those reads.
-    num_scheduler_steps: int = 1
     # Schedule step k+1 while step k runs (placeholder tokens; identical output). None: on when
     # the engine drives a CUDA model runner (faster in tokens/s and batch-1 latency, bench/NOTES.md),
     # off on the CPU where nothing overlaps.
@@ -87,10 +83,6 @@ class EngineConfig:
         check_preemption_mode("preemption_mode", self.preemption_mode)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.num_scheduler_steps != 1:
-            raise ValueError(
-                f"multi-step scheduling was removed: num_scheduler_steps must be 1, got {self.num_scheduler_steps!r}"
-            )
         if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
             raise ValueError(f"torch_threads must be a positive integer or None, got {self.torch_threads!r}")
         if self.max_num_batched_tokens < 1:

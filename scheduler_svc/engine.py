@@ -17,14 +17,9 @@ import dataclasses
 import functools
 import itertools
 import logging
-import operator
 import time
-from array import array
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-import numpy as np
 
 from contracts import phase_times
 from contracts.errors import OutOfRange, RequestFailed, failed_seq_id
@@ -33,10 +28,12 @@ from contracts.step import StepInput, StepOutput
 from contracts.tokenizer import load_tokenizer
 from kvcache_svc import KVCacheManager
 from scheduler_svc.config import EngineConfig
-from scheduler_svc.detokenizer import DetokenizerState, IncrementalDetokenizer
+from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.outputs import RequestOutput
+from scheduler_svc.prompt_ids import checked_ids, is_token
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.streams import Stream, stream_output
 
 logger = logging.getLogger(__name__)
 
@@ -50,24 +47,15 @@ class ModelClient(Protocol):
     def step(self, inp: StepInput) -> StepOutput: ...
 
 
-@dataclass(slots=True)
-class _Stream:
-    """Per-request text state."""
-
-    prompt: str | None
-    detok: DetokenizerState
-    emitted_text: int = 0  # characters of detok.text already handed out
-    emitted_tokens: int = 0
-    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, built once
-
-
 class LLMEngine:
     # Steps in flight under overlapped scheduling: step k is queued before step k - depth is
     # read back, so the device has the next step queued even when the host's work for one
     # step (read back, stop checks, schedule, prepare, launch) is longer than a short step.
     pipeline_depth = 2
 
-    def __init__(self, config: EngineConfig, model: ModelClient | None = None, tokenizer=None, model_config=None, kv=None) -> None:
+    def __init__(
+        self, config: EngineConfig, model: ModelClient | None = None, tokenizer=None, model_config=None, kv=None
+    ) -> None:
         self.config = config
         if model is None:
             from model_svc.kv_cache import host_pool_blocks
@@ -94,16 +82,28 @@ class LLMEngine:
             tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
         # Service mode passes a KV-cache client with the manager's interface (kvcache_svc.client).
-        self.kv = kv if kv is not None else KVCacheManager(model.num_device_blocks, model.num_host_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = (
+            kv
+            if kv is not None
+            else KVCacheManager(
+                model.num_device_blocks, model.num_host_blocks, config.block_size, config.enable_prefix_caching
+            )
+        )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.enable_chunked_prefill,
-                            config.num_scheduler_steps, self._max_model_len(model, config)), self.kv
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.preemption_mode,
+                config.enable_chunked_prefill,
+                self._max_model_len(model, config),
+            ),
+            self.kv,
         )
         self.max_model_len = self.scheduler.config.max_model_len
         self.limits = RequestLimits()  # per-request caps (service mode: the scheduler section's)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._detokenizers: dict[bool, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         # False: step() returns finished requests only (offline use); "delta" (the engine process,
@@ -114,8 +114,10 @@ class LLMEngine:
         overlap = config.async_scheduling
         if overlap is None:
             overlap = getattr(getattr(model, "device", None), "type", None) == "cuda"
-        self.async_scheduling = bool(overlap) and hasattr(model, "launch") and config.num_scheduler_steps == 1
-        self._inflight: deque[tuple[SchedulerOutput, Any]] = deque()  # (SchedulerOutput, LaunchedStep) on the device, oldest first
+        self.async_scheduling = bool(overlap) and hasattr(model, "launch")
+        self._inflight: deque[tuple[SchedulerOutput, Any]] = (
+            deque()
+        )  # (SchedulerOutput, LaunchedStep) on the device, oldest first
         self._next: SchedulerOutput | None = None  # step k+1, scheduled while step k runs
         self._failing: SchedulerOutput | None = None  # the step whose model call is under way
 
@@ -144,13 +146,19 @@ class LLMEngine:
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         vocab = self.model_config.vocab_size
-        checked = _checked_ids(prompt, vocab)
+        checked = checked_ids(prompt, vocab)
         if checked is None:
-            bad = [t for t in prompt if not _is_token(t, vocab)]
+            bad = [t for t in prompt if not is_token(t, vocab)]
             raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[:5]}")
         return checked
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None, cache_salt: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -158,12 +166,15 @@ class LLMEngine:
         self.check_request(prompt, params)
         token_ids, token_bytes = self._prompt_tokens(prompt)
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {self.max_model_len - 1} (max_model_len {self.max_model_len})")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; the limit is {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len})"
+            )
         req = Request(request_id, token_ids, params, self.eos_token_ids, cache_salt, prompt_bytes=token_bytes)
         self.scheduler.add(req)
         self.requests[request_id] = req
         detok = self._detokenizer(params.skip_special_tokens)
-        self._streams[request_id] = _Stream(prompt if isinstance(prompt, str) else None, detok.start(len(token_ids)))
+        self._streams[request_id] = Stream(prompt if isinstance(prompt, str) else None, detok.start(len(token_ids)))
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -298,17 +309,18 @@ class LLMEngine:
             req.first_token_time = now
         if req.sampling.logprobs is not None and token.logprob is not None:
             req.logprobs.append((token.logprob, token.top_logprobs or []))
-        for token_id in (token.token_id, *token.extra_token_ids):
-            req.token_ids.append(token_id)
-            self._check_stop(req)
-            if req.finished:  # tokens sampled past a stop are dropped
-                break
+        req.token_ids.append(token.token_id)
+        self._check_stop(req)
         return self._output(req) if self.stream_outputs or req.finished else None
 
     def _check_stop(self, req: Request) -> None:
         params, stream = req.sampling, self._streams[req.request_id]
         token = req.token_ids[-1]
-        delta = self._detokenizer(params.skip_special_tokens).step(stream.detok, req.token_ids) if self.tokenizer is not None else ""
+        delta = (
+            self._detokenizer(params.skip_special_tokens).step(stream.detok, req.token_ids)
+            if self.tokenizer is not None
+            else ""
+        )
         if params.stop and delta:
             text = stream.detok.text
             # Each string is searched only where it could end in the new text: a long one
@@ -339,8 +351,17 @@ class LLMEngine:
         stream = self._streams.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
         text = stream.detok.text[: stream.emitted_text] if stream is not None else ""
-        return RequestOutput(req.request_id, stream.prompt if stream is not None else None, req.prompt_token_ids,
-                             req.output_token_ids, text, "abort", True, num_cached_tokens=req.num_cached_tokens, error=error)
+        return RequestOutput(
+            req.request_id,
+            stream.prompt if stream is not None else None,
+            req.prompt_token_ids,
+            req.output_token_ids,
+            text,
+            "abort",
+            True,
+            num_cached_tokens=req.num_cached_tokens,
+            error=error,
+        )
 
     def _contain(self, exc: Exception) -> list[RequestOutput]:
         """A model step raised. The request it names fails alone (SequenceFailed); when it
@@ -352,11 +373,16 @@ class LLMEngine:
         seq_id = failed_seq_id(exc)
         in_step = [s.request for s in sched.scheduled if not s.request.finished]
         culprits = [r for r in in_step if r.request_id == seq_id] or in_step
-        logger.error("a model step failed (%s); failing %s, recomputing the other requests", exc,
-                     ", ".join(r.request_id for r in culprits[:8]) + (" ..." if len(culprits) > 8 else ""))
+        logger.error(
+            "a model step failed (%s); failing %s, recomputing the other requests",
+            exc,
+            ", ".join(r.request_id for r in culprits[:8]) + (" ..." if len(culprits) > 8 else ""),
+        )
         # The failed step's sequences to forget may not have reached the model: send them again.
         self.scheduler.pending_finished.extend(sched.step.finished)
-        outputs = [self._fail(r, RequestFailed(f"request {r.request_id} failed in a model step: {exc}")) for r in culprits]
+        outputs = [
+            self._fail(r, RequestFailed(f"request {r.request_id} failed in a model step: {exc}")) for r in culprits
+        ]
         self.scheduler.recompute_all()
         return outputs
 
@@ -372,9 +398,16 @@ class LLMEngine:
         stuck = [r for r in self.scheduler.waiting if self.scheduler.kv.num_blocks_for(r.num_tokens + 1) > pool]
         if not stuck:
             raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
-        return [self._fail(r, OutOfRange(f"request {r.request_id} has {r.num_tokens} tokens; the KV cache holds at most "
-                                         f"{pool * self.scheduler.kv.block_size - 1} (max_model_len {self.max_model_len})"))
-                for r in stuck]
+        return [
+            self._fail(
+                r,
+                OutOfRange(
+                    f"request {r.request_id} has {r.num_tokens} tokens; the KV cache holds at most "
+                    f"{pool * self.scheduler.kv.block_size - 1} (max_model_len {self.max_model_len})"
+                ),
+            )
+            for r in stuck
+        ]
 
     def set_max_model_len(self, max_model_len: int) -> list[RequestOutput]:
         """A new limit (the device pool changed size): requests that no longer fit in it fail
@@ -382,28 +415,21 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.scheduler.config = dataclasses.replace(self.scheduler.config, max_model_len=max_model_len)
         unfinished = [*self.scheduler.running, *self.scheduler.swapped, *self.scheduler.waiting]
-        return [self._fail(r, OutOfRange(f"request {r.request_id} has {r.num_tokens} tokens; after the model service "
-                                         f"restarted the limit is {max_model_len - 1} (max_model_len {max_model_len})"))
-                for r in unfinished if r.num_tokens >= max_model_len]
+        return [
+            self._fail(
+                r,
+                OutOfRange(
+                    f"request {r.request_id} has {r.num_tokens} tokens; after the model service "
+                    f"restarted the limit is {max_model_len - 1} (max_model_len {max_model_len})"
+                ),
+            )
+            for r in unfinished
+            if r.num_tokens >= max_model_len
+        ]
 
     def _output(self, req: Request) -> RequestOutput | tuple:
         stream = self._streams[req.request_id]
-        text, stop = stream.detok.text, req.sampling.stop
-        # While running, hold back what could be the start of a stop string.
-        visible = len(text) if req.finished or not stop else max(stream.emitted_text, len(text) - max(map(len, stop)) + 1)
-        delta_text, stream.emitted_text = text[stream.emitted_text : visible], visible
-        delta_ids = req.token_ids[len(req.prompt_token_ids) + stream.emitted_tokens :]
-        stream.emitted_tokens += len(delta_ids)
-        if self.stream_outputs == "delta" and not req.finished and req.sampling.logprobs is None:
-            return (req.request_id, delta_ids, delta_text, None)  # no copy of the whole output per step
-        logprobs = None
-        if req.sampling.logprobs is not None:
-            done = len(stream.logprobs)
-            new = req.token_ids[len(req.prompt_token_ids) + done :]
-            stream.logprobs += [dict([*top, (tok, lp)]) for tok, (lp, top) in zip(new, req.logprobs[done:])]
-            logprobs = list(stream.logprobs)
-        out = RequestOutput(req.request_id, stream.prompt, req.prompt_token_ids, req.output_token_ids, text[:visible], req.finish_reason,
-                            req.finished, delta_ids, delta_text, req.stop_reason, req.num_cached_tokens, logprobs)
+        out = stream_output(req, stream, self.stream_outputs)
         if req.finished:
             self.requests.pop(req.request_id, None)
             self._streams.pop(req.request_id, None)
@@ -412,32 +438,10 @@ class LLMEngine:
     def _detokenizer(self, skip_special_tokens: bool) -> IncrementalDetokenizer:
         detok = self._detokenizers.get(skip_special_tokens)
         if detok is None:
-            detok = self._detokenizers[skip_special_tokens] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
+            detok = self._detokenizers[skip_special_tokens] = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens
+            )
         return detok
-
-
-def _is_token(t, vocab: int) -> bool:
-    try:
-        return 0 <= operator.index(t) < vocab
-    except TypeError:
-        return False
-
-
-def _checked_ids(prompt: list | tuple, vocab: int) -> tuple[list[int], bytes] | None:
-    """The prompt's token ids as a list of Python ints and as int64 bytes, when every one is an
-    integer in [0, vocab); else None. The check is C loops: the int64
-    array conversion (which refuses anything without __index__: floats, strings, None) and
-    numpy's min and max; the list comes back from the array, so integer types such as numpy's
-    become plain ints. The bytes are what the prefix-cache lookup hashes (64 prompts of 1,056
-    tokens that arrive together: about 1 ms of their first step if made again there)."""
-    try:
-        packed = array("q", prompt)
-    except (TypeError, OverflowError):
-        return None
-    values = np.frombuffer(packed, dtype=np.int64)
-    if values.min() < 0 or values.max() >= vocab:
-        return None
-    return packed.tolist(), packed.tobytes()
 
 
 def _finished(launched: Any) -> bool:

@@ -13,6 +13,7 @@ most once per step. Nothing here runs per token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pickle
@@ -94,8 +95,12 @@ class EngineClient:
     """`stats` and `info` are the engine's as of its last frame. `on_exit(why)` is called when
     the engine loop ends without being asked to (every open stream has failed by then)."""
 
-    def __init__(self, sock: socket.socket, tokenize: Callable[[str], list[int]] | None = None,
-                 load_tokenizer: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        tokenize: Callable[[str], list[int]] | None = None,
+        load_tokenizer: Callable[[], Any] | None = None,
+    ) -> None:
         self._sock = sock
         self._tokenize = tokenize
         self._load_tokenizer = load_tokenizer
@@ -113,7 +118,7 @@ class EngineClient:
 
     # ----------------------------------------------------------------- starting
     @classmethod
-    def spawn(cls, config: Any, token: str | None, skip_tokenizer_init: bool = False) -> "EngineClient":
+    def spawn(cls, config: Any, token: str | None, skip_tokenizer_init: bool = False) -> EngineClient:
         """The engine in a process of its own (built there from `config`, a ServiceConfig); the
         prompt tokenizer is loaded here by start()."""
         from contracts.auth import API_KEY_ENV, INTERNAL_TOKEN_ENV, REDIS_URL_ENV
@@ -125,8 +130,11 @@ class EngineClient:
         env = {k: v for k, v in os.environ.items() if k not in secrets}
         root = str(Path(__file__).resolve().parent.parent)  # the engine imports this checkout's packages
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        proc = subprocess.Popen([sys.executable, "-m", "scheduler_svc.engine_core", str(child.fileno())], pass_fds=(child.fileno(),),
-                                env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "scheduler_svc.engine_core", str(child.fileno())],
+            pass_fds=(child.fileno(),),
+            env=env,
+        )
         child.close()
         parent.sendall(encode(("setup", config, token, skip_tokenizer_init, logging.getLogger().getEffectiveLevel())))
 
@@ -140,13 +148,15 @@ class EngineClient:
         return client
 
     @classmethod
-    def in_thread(cls, engine: Any) -> "EngineClient":
+    def in_thread(cls, engine: Any) -> EngineClient:
         """The engine loop in a daemon thread of this process (tests), over the same wire."""
         from scheduler_svc.engine_core import EngineCore, FrameChannel
 
         parent, child = socket.socketpair()
         client = cls(parent, tokenize=lambda text: engine.tokenize(text))  # looked up per call: tests patch it
-        client._thread = threading.Thread(target=EngineCore(engine, FrameChannel(child)).run, name="engine-loop", daemon=True)
+        client._thread = threading.Thread(
+            target=EngineCore(engine, FrameChannel(child)).run, name="engine-loop", daemon=True
+        )
         client._thread.start()
         return client
 
@@ -195,8 +205,9 @@ class EngineClient:
         assert self._tokenize is not None
         return self._tokenize(text)
 
-    def open(self, prompt: list[int], params: SamplingParams, request_id: str, cache_salt: str | None,
-             deadline: float | None) -> OutputStream:
+    def open(
+        self, prompt: list[int], params: SamplingParams, request_id: str, cache_salt: str | None, deadline: float | None
+    ) -> OutputStream:
         """Send the request to the engine; its outputs arrive in the returned stream."""
         stream = self._streams[request_id] = OutputStream()
         if self.exited is not None:
@@ -264,10 +275,8 @@ class EngineClient:
         if self._writer is not None and self.exited is None:
             self._flush()
             self._writer.write(encode([("stop",)]))
-            try:
+            with contextlib.suppress(asyncio.TimeoutError, OSError):
                 await asyncio.wait_for(self._writer.drain(), timeout)
-            except (asyncio.TimeoutError, OSError):
-                pass
         loop = asyncio.get_running_loop()
         if self._proc is not None:
             try:

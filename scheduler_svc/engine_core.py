@@ -112,10 +112,18 @@ def engine_info(engine: Any) -> EngineInfo:
     model, mc = engine.model, engine.model_config
     info = getattr(model, "info", None)  # a remote model's facts (an in-process runner has none)
     return EngineInfo(
-        model=info.model if info is not None else str(engine.config.model), family=mc.family, vocab_size=mc.vocab_size,
-        max_model_len=engine.max_model_len, block_size=engine.config.block_size, num_device_blocks=model.num_device_blocks,
-        num_host_blocks=model.num_host_blocks, eos_token_ids=tuple(mc.eos_token_ids),
-        enable_prefix_caching=engine.config.enable_prefix_caching, limits=engine.limits, has_tokenizer=engine.tokenizer is not None)
+        model=info.model if info is not None else str(engine.config.model),
+        family=mc.family,
+        vocab_size=mc.vocab_size,
+        max_model_len=engine.max_model_len,
+        block_size=engine.config.block_size,
+        num_device_blocks=model.num_device_blocks,
+        num_host_blocks=model.num_host_blocks,
+        eos_token_ids=tuple(mc.eos_token_ids),
+        enable_prefix_caching=engine.config.enable_prefix_caching,
+        limits=engine.limits,
+        has_tokenizer=engine.tokenizer is not None,
+    )
 
 
 def engine_stats(engine: Any) -> EngineStats:
@@ -124,15 +132,27 @@ def engine_stats(engine: Any) -> EngineStats:
         usage = [p.num_used_blocks / p.num_blocks if p.num_blocks else 0.0 for p in (kv.device, kv.host)]
     except AttributeError:  # no pools yet
         usage = [0.0, 0.0]
-    return EngineStats(len(sched.running), len(sched.waiting), len(sched.swapped), usage[0], usage[1], kv.num_prefix_queries,
-                       kv.num_prefix_hits, sched.stats.num_preemptions, getattr(engine, "unavailable", None), sched.stats.num_steps)
+    return EngineStats(
+        len(sched.running),
+        len(sched.waiting),
+        len(sched.swapped),
+        usage[0],
+        usage[1],
+        kv.num_prefix_queries,
+        kv.num_prefix_hits,
+        sched.stats.num_preemptions,
+        getattr(engine, "unavailable", None),
+        sched.stats.num_steps,
+    )
 
 
 def _logprobs(out: RequestOutput) -> list | None:
     if out.logprobs is None or not out.delta_token_ids:
         return None
-    entries = out.logprobs[-len(out.delta_token_ids):]
-    return [(t, e.get(t, 0.0), [(a, lp) for a, lp in e.items() if a != t]) for t, e in zip(out.delta_token_ids, entries)]
+    entries = out.logprobs[-len(out.delta_token_ids) :]
+    return [
+        (t, e.get(t, 0.0), [(a, lp) for a, lp in e.items() if a != t]) for t, e in zip(out.delta_token_ids, entries)
+    ]
 
 
 def _final(request_id: str, error: BaseException) -> tuple:
@@ -219,9 +239,18 @@ class EngineCore:
         if not out.finished:
             return (out.request_id, out.delta_token_ids, out.delta_text, lp)
         self._closed(out.request_id)
-        return (out.request_id, out.delta_token_ids, out.delta_text, lp, out.finish_reason, out.stop_reason,
-                len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens,
-                None if out.error is None else pack_error(out.error))
+        return (
+            out.request_id,
+            out.delta_token_ids,
+            out.delta_text,
+            lp,
+            out.finish_reason,
+            out.stop_reason,
+            len(out.prompt_token_ids),
+            len(out.token_ids),
+            out.num_cached_tokens,
+            None if out.error is None else pack_error(out.error),
+        )
 
     def _closed(self, request_id: str) -> None:
         self.open.discard(request_id)

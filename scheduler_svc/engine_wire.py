@@ -97,7 +97,8 @@ def split_frames(buffer: bytearray) -> list[Any]:
 
 
 _KNOWN: dict[str, type[BaseException]] = {
-    cls.__name__: cls for cls in (*(getattr(errors, n) for n in dir(errors)), *(getattr(builtins, n) for n in dir(builtins)))
+    cls.__name__: cls
+    for cls in (*(getattr(errors, n) for n in dir(errors)), *(getattr(builtins, n) for n in dir(builtins)))
     if isinstance(cls, type) and issubclass(cls, Exception)
 }
 

@@ -52,15 +52,23 @@ class LLM:
         **kwargs: Any,
     ) -> None:
         self.config = EngineConfig(
-            model=model, block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-            enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, device=device, dtype=dtype, **kwargs,
+            model=model,
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            device=device,
+            dtype=dtype,
+            **kwargs,
         )
         self.engine = LLMEngine(self.config)
         freeze_heap()  # start-up is done: keep full collections off the model, torch and the tokenizer
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> "LLM":
+    def from_engine(cls, engine: LLMEngine) -> LLM:
         """Wrap an engine built by hand (a prebuilt model runner, a remote model client)."""
         llm = cls.__new__(cls)
         llm.config, llm.engine = engine.config, engine
@@ -124,11 +132,16 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncLLM":
+    def from_config(cls, config: EngineConfig) -> AsyncLLM:
         return cls(LLMEngine(config))
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per step that produced text for this request; the last has
         finished=True. Cancelling the consumer aborts the request and frees its blocks."""
         loop = asyncio.get_running_loop()

@@ -36,13 +36,23 @@ class _EngineCollector:
         queues.add_metric(["waiting"], stats.num_waiting)
         queues.add_metric(["swapped"], stats.num_swapped)
         yield queues
-        usage = GaugeMetricFamily("picovllm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", labels=["pool"])
+        usage = GaugeMetricFamily(
+            "picovllm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", labels=["pool"]
+        )
         usage.add_metric(["device"], stats.device_usage)
         usage.add_metric(["host"], stats.host_usage)
         yield usage
-        yield CounterMetricFamily("picovllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", value=stats.num_prefix_queries)
-        yield CounterMetricFamily("picovllm_prefix_cache_hits", "Prompt tokens served from the prefix cache", value=stats.num_prefix_hits)
-        yield CounterMetricFamily("picovllm_num_preemptions", "Requests preempted (swap or recompute)", value=stats.num_preemptions)
+        yield CounterMetricFamily(
+            "picovllm_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            value=stats.num_prefix_queries,
+        )
+        yield CounterMetricFamily(
+            "picovllm_prefix_cache_hits", "Prompt tokens served from the prefix cache", value=stats.num_prefix_hits
+        )
+        yield CounterMetricFamily(
+            "picovllm_num_preemptions", "Requests preempted (swap or recompute)", value=stats.num_preemptions
+        )
 
 
 class SchedulerMetrics:
@@ -51,9 +61,18 @@ class SchedulerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(get_stats))
         r = self.registry
-        self.ttft = Histogram("picovllm_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("picovllm_inter_token_latency_seconds", "Time between streamed tokens", buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("picovllm_e2e_request_latency_seconds", "Request latency, arrival to finish", buckets=_E2E_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "picovllm_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "picovllm_inter_token_latency_seconds", "Time between streamed tokens", buckets=_ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "picovllm_e2e_request_latency_seconds",
+            "Request latency, arrival to finish",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("picovllm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("picovllm_generation_tokens", "Tokens generated", registry=r)
         # finish_reason: stop, length or abort (finished), cancelled (the client went away) or

@@ -33,9 +33,11 @@ apart, and greedy requests end with the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from contracts import phase_times
 from contracts.rpc import freeze_heap
@@ -63,7 +65,7 @@ class _RemoteStep:
     """A pipelined step in flight: its KV batch and model Step sent. result() waits for both
     (the KV answer first); once it returns or raises, nothing of the step is pending."""
 
-    def __init__(self, engine: "ServiceEngine", wait_kv: Callable[[], None], model: StreamedStep) -> None:
+    def __init__(self, engine: ServiceEngine, wait_kv: Callable[[], None], model: StreamedStep) -> None:
         self.engine, self.wait_kv, self.model = engine, wait_kv, model
 
     def await_kv(self) -> None:
@@ -86,10 +88,8 @@ class _RemoteStep:
         """Wait for what is still pending, whatever its outcome."""
         for wait in (self.model.result, self.wait_kv):
             if wait is not None:
-                try:
+                with contextlib.suppress(Exception):  # the failure being handled, or one like it
                     wait()
-                except Exception:  # noqa: BLE001 - the failure being handled, or one like it
-                    pass
         self.wait_kv = None
 
 
@@ -109,10 +109,12 @@ class ServiceEngine(LLMEngine):
         pipelined = config.async_scheduling
         if pipelined is None:  # as embedded mode: on when the steps run on a GPU
             pipelined = model.info is not None and model.info.device.startswith("cuda")
-        self.pipelined = bool(pipelined) and config.num_scheduler_steps == 1
+        self.pipelined = bool(pipelined)
 
     def reset_prefix_cache(self) -> int:
-        raise NotImplementedError("the KV-cache service owns the prefix index; restart it (or its store) for a cold cache")
+        raise NotImplementedError(
+            "the KV-cache service owns the prefix index; restart it (or its store) for a cold cache"
+        )
 
     def has_unfinished(self) -> bool:
         return super().has_unfinished() or self.kv.has_pending() or self._pending is not None or self._restarted
@@ -312,17 +314,34 @@ def build_service_engine(config: Any, skip_tokenizer_init: bool = False, token: 
     info = model.info
     assert info is not None
     engine_config = EngineConfig(
-        model=config.tokenizer, block_size=info.block_size, num_gpu_blocks=info.num_device_blocks,
-        enable_prefix_caching=s.enable_prefix_caching, enable_chunked_prefill=s.enable_chunked_prefill,
-        preemption_mode=s.preemption_mode, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-        max_model_len=s.max_model_len, num_scheduler_steps=s.num_scheduler_steps, skip_tokenizer_init=skip_tokenizer_init,
+        model=config.tokenizer,
+        block_size=info.block_size,
+        num_gpu_blocks=info.num_device_blocks,
+        enable_prefix_caching=s.enable_prefix_caching,
+        enable_chunked_prefill=s.enable_chunked_prefill,
+        preemption_mode=s.preemption_mode,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        max_model_len=s.max_model_len,
+        skip_tokenizer_init=skip_tokenizer_init,
         async_scheduling=s.async_scheduling,
     )
-    logger.info("connected: model %s (epoch %s, %d/%d blocks), kvcache %s (%s state)", info.model, info.epoch,
-                info.num_device_blocks, info.num_host_blocks, config.kvcache.address, "adopted" if adopted else "reset")
+    logger.info(
+        "connected: model %s (epoch %s, %d/%d blocks), kvcache %s (%s state)",
+        info.model,
+        info.epoch,
+        info.num_device_blocks,
+        info.num_host_blocks,
+        config.kvcache.address,
+        "adopted" if adopted else "reset",
+    )
     engine = ServiceEngine(engine_config, model, kv, None if skip_tokenizer_init else load_tokenizer(config.tokenizer))
-    engine.limits = RequestLimits(max_logprobs=s.max_logprobs, max_stop_strings=s.max_stop_strings,
-                                  max_stop_chars=s.max_stop_chars, max_prompt_chars=s.max_prompt_chars)
+    engine.limits = RequestLimits(
+        max_logprobs=s.max_logprobs,
+        max_stop_strings=s.max_stop_strings,
+        max_stop_chars=s.max_stop_chars,
+        max_prompt_chars=s.max_prompt_chars,
+    )
     engine.scheduler.pending_finished.extend(leftover)  # the model service forgets them with the first step
     freeze_heap()  # start-up is done: full collections would walk torch, gRPC and the tokenizer every few dozen steps
     return engine

@@ -30,9 +30,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     preemption_mode: str = "swap"  # "swap" | "recompute"
     enable_chunked_prefill: bool = True
-    # TODO(merge): unused; scheduler_svc/engine.py (left untouched until the engine-core change
-    # lands) still passes it positionally. Delete it with that argument.
-    num_scheduler_steps: int = 1
     max_model_len: int = 1 << 30
 
 

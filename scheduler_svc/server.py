@@ -55,8 +55,19 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "logprobs", "skip_special_tokens")
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "skip_special_tokens",
+)
 # Ids travel with every step of a request (the request id is the sequence id on the internal wire).
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 1024
@@ -68,7 +79,9 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(stop=list(m.stop), stop_token_ids=list(m.stop_token_ids), ignore_eos=m.ignore_eos, **kwargs)
 
 
-def generate_from_pb(m: pb.GenerateRequest, limits: RequestLimits | None = None) -> tuple[str | list[int], SamplingParams, str, str | None]:
+def generate_from_pb(
+    m: pb.GenerateRequest, limits: RequestLimits | None = None
+) -> tuple[str | list[int], SamplingParams, str, str | None]:
     """(prompt, sampling, request id, cache salt); ValueError for what can never run. With
     `limits`, the repeated fields' counts are checked before they are converted."""
     kind = m.WhichOneof("prompt")
@@ -81,7 +94,10 @@ def generate_from_pb(m: pb.GenerateRequest, limits: RequestLimits | None = None)
     if limits is not None and len(m.sampling.stop) > limits.max_stop_strings:
         raise InvalidArgument(f"stop: a count of {len(m.sampling.stop)} is over the limit of {limits.max_stop_strings}")
     if limits is not None and len(m.sampling.stop_token_ids) > limits.max_stop_token_ids:
-        raise InvalidArgument(f"stop_token_ids: a count of {len(m.sampling.stop_token_ids)} is over the limit of {limits.max_stop_token_ids}")
+        raise InvalidArgument(
+            f"stop_token_ids: a count of {len(m.sampling.stop_token_ids)} is over the limit of "
+            f"{limits.max_stop_token_ids}"
+        )
     prompt: str | list[int] = m.text if kind == "text" else list(m.token_ids.ids)
     params = sampling_from_pb(m.sampling) if m.HasField("sampling") else SamplingParams()
     return prompt, params, m.request_id or uuid.uuid4().hex, m.cache_salt or None
@@ -93,8 +109,11 @@ def chunk_to_pb(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
     token_ids, text, logprobs, final = chunk
     m = pb.GenerateResponse(request_id=request_id, token_ids=token_ids, text=text)
     for token_id, logprob, top in logprobs or ():
-        m.logprobs.append(pb.GeneratedTokenLogprobs(token_id=token_id, logprob=logprob,
-                                                    top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top]))
+        m.logprobs.append(
+            pb.GeneratedTokenLogprobs(
+                token_id=token_id, logprob=logprob, top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top]
+            )
+        )
     if final is not None:
         _, _, _, _, reason, stop_reason, num_prompt, num_output, num_cached, _ = final
         m.finish_reason = _FINISH.get(reason or "", pb.FINISH_REASON_UNSPECIFIED)
@@ -108,9 +127,15 @@ def chunk_to_pb(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
 
 def model_info_to_pb(info: EngineInfo) -> pb.GetModelInfoResponse:
     return pb.GetModelInfoResponse(
-        model=info.model, family=info.family, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
-        block_size=info.block_size, num_device_blocks=info.num_device_blocks, num_host_blocks=info.num_host_blocks,
-        eos_token_ids=info.eos_token_ids, enable_prefix_caching=info.enable_prefix_caching,
+        model=info.model,
+        family=info.family,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        num_device_blocks=info.num_device_blocks,
+        num_host_blocks=info.num_host_blocks,
+        eos_token_ids=info.eos_token_ids,
+        enable_prefix_caching=info.enable_prefix_caching,
     )
 
 
@@ -328,9 +353,14 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
     servicer = SchedulerServicer(s, metrics)
     # The public server's own message limit, far below the internal services' (gRPC refuses a
     # larger request with RESOURCE_EXHAUSTED before any of it is parsed).
-    running = await start_server(s.address, [(pb_grpc.add_SchedulerServiceServicer_to_server, servicer, SERVICE_NAME)],
-                                 options=[("grpc.max_receive_message_length", s.max_request_bytes)],
-                                 auth_token=creds.api_key, public=True, credentials=tls_credentials(s))
+    running = await start_server(
+        s.address,
+        [(pb_grpc.add_SchedulerServiceServicer_to_server, servicer, SERVICE_NAME)],
+        options=[("grpc.max_receive_message_length", s.max_request_bytes)],
+        auth_token=creds.api_key,
+        public=True,
+        credentials=tls_credentials(s),
+    )
     listening = [f"gRPC {running.address}"]
     if s.metrics_port:
         try:
@@ -351,8 +381,12 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
         async def peers_down(down: bool) -> None:
             await running.set_serving(not down and not servicer.draining)
 
-        servicer.monitor = PeerMonitor({"model": config.model.address, "kvcache": config.kvcache.address}, s.peer_down_after_s,
-                                       lambda: servicer.llm.stats.unavailable, peers_down)
+        servicer.monitor = PeerMonitor(
+            {"model": config.model.address, "kvcache": config.kvcache.address},
+            s.peer_down_after_s,
+            lambda: servicer.llm.stats.unavailable,
+            peers_down,
+        )
         watch = asyncio.ensure_future(servicer.monitor.run())
         freeze_heap()  # start-up is done (the tokenizer is loaded): keep full collections off it
         await running.set_serving(True)

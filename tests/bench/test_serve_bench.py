@@ -20,7 +20,9 @@ def test_workload_is_seeded_and_in_range():
     from bench.serve import make_jobs
 
     jobs = make_jobs(16, 100, 1024, 1024, 151936, seed=0, temperature=0.6)
-    assert [j.prompt for j in jobs] == [j.prompt for j in make_jobs(16, 100, 1024, 1024, 151936, seed=0, temperature=0.6)]
+    assert [j.prompt for j in jobs] == [
+        j.prompt for j in make_jobs(16, 100, 1024, 1024, 151936, seed=0, temperature=0.6)
+    ]
     assert all(100 <= len(j.prompt) <= 1024 and 100 <= j.max_tokens <= 1024 and max(j.prompt) <= 10000 for j in jobs)
     small = make_jobs(8, 16, 128, 8, 512, seed=1, temperature=0.0)  # outputs shorter than min_len: up to the maximum
     assert all(j.max_tokens <= 8 and max(j.prompt) < 512 for j in small)
@@ -45,17 +47,27 @@ def test_null_model_answers_every_sampled_sequence_never_with_eos():
     from scheduler_svc.config import BUNDLED_MODEL
 
     runner = NullRunner(BUNDLED_MODEL, step_ms=0.0)
-    out = runner.step(StepInput([SeqStep("a", [5, 6], 0, True), SeqStep("b", [7], 3, False), SeqStep("c", [8], 9, True)]))
+    out = runner.step(
+        StepInput([SeqStep("a", [5, 6], 0, True), SeqStep("b", [7], 3, False), SeqStep("c", [8], 9, True)])
+    )
     assert [t.seq_id for t in out.sampled] == ["a", "c"]
-    assert all(3 <= t.token_id < runner.config.vocab_size and t.token_id not in runner.config.eos_token_ids for t in out.sampled)
-    assert runner.step(StepInput([SeqStep("a", [5, 6], 0, True)])).sampled == out.sampled[:1]  # a function of sequence and position
+    assert all(
+        3 <= t.token_id < runner.config.vocab_size and t.token_id not in runner.config.eos_token_ids
+        for t in out.sampled
+    )
+    assert (
+        runner.step(StepInput([SeqStep("a", [5, 6], 0, True)])).sampled == out.sampled[:1]
+    )  # a function of sequence and position
 
 
 def test_spy_breakdown_sorts_stacks_most_specific_first():
     from bench.spy_breakdown import classify
 
-    assert classify("EngineCore.run;LLMEngine._process;LLMEngine._process_one;LLMEngine._check_stop;IncrementalDetokenizer.step"
-                    ).startswith("engine: detokenization")
+    assert classify(
+        "EngineCore.run;LLMEngine._process;LLMEngine._process_one;LLMEngine._check_stop;IncrementalDetokenizer.step"
+    ).startswith("engine: detokenization")
     assert classify("BaseEventLoop._run_once;Handle._run").startswith("loop: gRPC aio")
-    assert classify("BaseEventLoop._run_once;Handle._run;SchedulerServicer.Generate;chunk_to_pb").startswith("loop: protobuf")
+    assert classify("BaseEventLoop._run_once;Handle._run;SchedulerServicer.Generate;chunk_to_pb").startswith(
+        "loop: protobuf"
+    )
     assert classify("wait").startswith("loop: per-output wait")

@@ -20,7 +20,12 @@ from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 from .test_grpc_paths import ServerThread
 
-PROMPTS = ["Once upon a time", "Lily and Tom went to the park.", "One day, a little dog named Max", [1, 400, 401, 402, 403, 404]]
+PROMPTS = [
+    "Once upon a time",
+    "Lily and Tom went to the park.",
+    "One day, a little dog named Max",
+    [1, 400, 401, 402, 403, 404],
+]
 MAX_TOKENS = 40
 SEND_INTERVAL_S = 0.05  # a handler that sends at most this often falls behind the engine's steps
 

@@ -24,7 +24,10 @@ PROTOS = sorted((REPO / "protos").rglob("*.proto"))
 # ----------------------------------------------------------------- config
 def test_precedence_defaults_yaml_env_flags(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("scheduler:\n  max_waiting: 7\n  metrics_port: 1234\nkvcache:\n  redis_url: redis://yaml:1/0\nmodel:\n  block_size: 32\n")
+    path.write_text(
+        "scheduler:\n  max_waiting: 7\n  metrics_port: 1234\n"
+        "kvcache:\n  redis_url: redis://yaml:1/0\nmodel:\n  block_size: 32\n"
+    )
     env = {"PICOVLLM_REDIS_URL": "redis://env:2/0", "PICOVLLM_MODEL_ADDR": "127.0.0.1:7001"}
     c = load_config(path, {"model": {"address": "127.0.0.1:7002", "num_gpu_blocks": None}}, env=env)
     assert c.scheduler.max_waiting == 7 and c.scheduler.metrics_port == 1234  # YAML over defaults
@@ -45,14 +48,17 @@ def test_example_config_loads():
     assert c == load_config(env={})  # the example shows the defaults
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("model:\n  block_size: 12\n", "model.block_size must be a power of two, got 12"),
-    ("kvcache:\n  bogus: 1\n", "unknown key kvcache.bogus"),
-    ("nothing:\n  x: 1\n", "unknown section 'nothing'"),
-    ("scheduler:\n  address: nohost\n", "scheduler.address must be host:port, got 'nohost'"),
-    ("scheduler:\n  preemption_mode: drop\n", "'drop'"),
-    ("kvcache:\n  redis_url: http://x\n", "redis:// URL"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("model:\n  block_size: 12\n", "model.block_size must be a power of two, got 12"),
+        ("kvcache:\n  bogus: 1\n", "unknown key kvcache.bogus"),
+        ("nothing:\n  x: 1\n", "unknown section 'nothing'"),
+        ("scheduler:\n  address: nohost\n", "scheduler.address must be host:port, got 'nohost'"),
+        ("scheduler:\n  preemption_mode: drop\n", "'drop'"),
+        ("kvcache:\n  redis_url: http://x\n", "redis:// URL"),
+    ],
+)
 def test_bad_config_names_the_value(tmp_path, text, needle):
     path = tmp_path / "c.yaml"
     path.write_text(text)
@@ -61,7 +67,9 @@ def test_bad_config_names_the_value(tmp_path, text, needle):
 
 
 def test_bad_env_value_names_the_variable():
-    with pytest.raises(ValueError, match=r"\$PICOVLLM_METRICS_PORT: scheduler.metrics_port must be int \| None, got 'lots'"):
+    with pytest.raises(
+        ValueError, match=r"\$PICOVLLM_METRICS_PORT: scheduler.metrics_port must be int \| None, got 'lots'"
+    ):
         load_config(env={"PICOVLLM_METRICS_PORT": "lots"})
 
 
@@ -79,8 +87,12 @@ def test_generated_modules_import():
 @pytest.mark.parametrize("path", PROTOS, ids=[p.name for p in PROTOS])
 def test_every_field_rpc_and_enum_value_is_commented(path):
     lines = path.read_text().splitlines()
-    decl = re.compile(r"^\s*(?:(?:optional|repeated)\s+)?[\w.]+\s+\w+\s*=\s*\d+;|^\s*rpc\s+\w+|^\s*[A-Z][A-Z0-9_]+\s*=\s*\d+;")
-    missing = [line.strip() for i, line in enumerate(lines) if decl.match(line) and not lines[i - 1].strip().startswith("//")]
+    decl = re.compile(
+        r"^\s*(?:(?:optional|repeated)\s+)?[\w.]+\s+\w+\s*=\s*\d+;|^\s*rpc\s+\w+|^\s*[A-Z][A-Z0-9_]+\s*=\s*\d+;"
+    )
+    missing = [
+        line.strip() for i, line in enumerate(lines) if decl.match(line) and not lines[i - 1].strip().startswith("//")
+    ]
     assert not missing, f"uncommented in {path.name}: {missing}"
     package = re.search(r"^package ([\w.]+);", path.read_text(), re.M).group(1)
     assert package == ".".join(path.relative_to(REPO / "protos").parent.parts)  # directories mirror packages
@@ -116,9 +128,8 @@ def test_full_queue_is_resource_exhausted_through_the_interceptor():
     from contracts.service_config import SchedulerSection
     from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
     from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-    from scheduler_svc.server import SERVICE_NAME, SchedulerServicer
-
     from scheduler_svc.engine_wire import EngineStats
+    from scheduler_svc.server import SERVICE_NAME, SchedulerServicer
 
     class _LLM:  # an engine client with nothing running
         stats = EngineStats()
@@ -130,7 +141,9 @@ def test_full_queue_is_resource_exhausted_through_the_interceptor():
         servicer = SchedulerServicer(SchedulerSection(max_waiting=2))
         servicer.llm = _LLM()
         servicer.active = {"a", "b"}
-        running = await start_server("127.0.0.1:0", [(pb_grpc.add_SchedulerServiceServicer_to_server, servicer, SERVICE_NAME)])
+        running = await start_server(
+            "127.0.0.1:0", [(pb_grpc.add_SchedulerServiceServicer_to_server, servicer, SERVICE_NAME)]
+        )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as ch:
                 call = pb_grpc.SchedulerServiceStub(ch).Generate(pb.GenerateRequest(text="hi"), timeout=10)
@@ -156,10 +169,9 @@ def test_protos_directory_is_a_package():
     assert Path(REPO / "scripts" / "gen_protos.sh").is_file()
 
 
-# ----------------------------------------------------------------- health without grpcio-health-checking
-def test_fallback_health_speaks_grpc_health_v1():
-    """The servicer used where grpcio-health-checking is missing answers the official stub;
-    `check` (used by clients and tests) answers against the official servicer too."""
+# ----------------------------------------------------------------- health
+def test_health_check_follows_the_servicer():
+    """`check` (used by clients and tests) reads what the servers' grpc_health servicer says."""
     grpc_health = pytest.importorskip("grpc_health.v1.health")
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -167,12 +179,9 @@ def test_fallback_health_speaks_grpc_health_v1():
 
     async def main() -> list:
         seen = []
-        for servicer in (health.FallbackHealthServicer(), grpc_health.aio.HealthServicer()):
+        for servicer in (grpc_health.aio.HealthServicer(),):
             server = grpc.aio.server()
-            if isinstance(servicer, health.FallbackHealthServicer):
-                servicer.add_to_server(server)
-            else:
-                health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+            health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             await servicer.set("svc", health.NOT_SERVING)
@@ -191,4 +200,4 @@ def test_fallback_health_speaks_grpc_health_v1():
         gc.collect()  # collect the aio servers while their loop is alive
         return seen
 
-    assert asyncio.run(main()) == [health.NOT_SERVING, health.SERVING, health.SERVING, health.SERVING] * 2
+    assert asyncio.run(main()) == [health.NOT_SERVING, health.SERVING, health.SERVING, health.SERVING]

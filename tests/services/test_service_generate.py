@@ -189,8 +189,10 @@ def test_scheduler_process_never_loads_torch(stack):
     assert "libtorch" in maps["model"]  # what the check looks for is there when torch is
     assert "libtorch" not in maps["scheduler"]
     pid = stack.procs["scheduler"].proc.pid  # and its engine process (scheduler_svc.engine_core)
-    engines = [c for t in os.listdir(f"/proc/{pid}/task") for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
-    assert engines and all("libtorch" not in open(f"/proc/{c}/maps").read() for c in engines)
+    engines = [
+        c for t in os.listdir(f"/proc/{pid}/task") for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()
+    ]
+    assert engines and all("libtorch" not in Path(f"/proc/{c}/maps").read_text() for c in engines)
 
 
 def test_client_command_streams_text(stack, embedded):

@@ -76,8 +76,16 @@ class ShrinkingModel(ScriptedModel):
 
     def _info(self):
         info = super()._info()
-        return type(info)(info.epoch, info.model, info.block_size, self.num_blocks, info.num_host_blocks, info.device,
-                          info.dtype, info.config)
+        return type(info)(
+            info.epoch,
+            info.model,
+            info.block_size,
+            self.num_blocks,
+            info.num_host_blocks,
+            info.device,
+            info.dtype,
+            info.config,
+        )
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
