@@ -201,7 +201,8 @@ def make_llm(
 ):
     """An LLM over a ModelRunner for a named config (random weights) or a local directory,
     with no tokenizer (token-id prompts). Returns (llm, runner)."""
-    from scheduler_svc.config import EngineConfig, small_batch_pdl
+    from model_svc.runner_factory import small_batch_pdl
+    from scheduler_svc.config import EngineConfig
     from scheduler_svc.engine import LLMEngine
     from scheduler_svc.llm import LLM
 

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 # sequences is a chain of latency-bound kernels, where each one's launch overlapping the last
 # one's tail pays when steps are queued back to back (batch-1 decode, overlapped scheduling);
 # larger steps it made slower, and so it did steps launched one at a time
-# (scheduler_svc.config.small_batch_pdl; bench/NOTES.md, "PDL for small batches").
+# (model_svc.runner_factory.small_batch_pdl; bench/NOTES.md, "PDL for small batches").
 PDL_MAX_BATCH = 8
 
 

@@ -67,7 +67,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         max_num_seqs: int = 256,
         pinned_inputs: bool = True,
-        # The small-batch decode graphs capture PDL (scheduler_svc.config.small_batch_pdl).
+        # The small-batch decode graphs capture PDL (runner_factory.small_batch_pdl).
         small_batch_pdl: bool = True,
         torch_threads: int | None = None,  # CPU only; None: loader.cpu_threads picks by model size
     ) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -38,31 +37,24 @@ class EpochMismatch(FailedPrecondition):
 
 
 class ModelService:
-    def __init__(self, config: ModelSection, max_num_seqs: int = 256, runner: Any = None) -> None:
+    def __init__(
+        self, config: ModelSection, max_num_seqs: int = 256, runner: Any = None, async_scheduling: bool | None = None
+    ) -> None:
         self.config = config
         self.max_num_seqs = max_num_seqs  # the scheduler's batch limit (CUDA graph sizes)
+        self.async_scheduling = async_scheduling  # the scheduler's (pipelined steps): the PDL choice
         self.epoch = uuid.uuid4().hex
         self.runner = runner
 
     def load(self) -> None:
-        from model_svc.kv_cache import host_pool_blocks
-        from model_svc.runner import ModelRunner
+        """The runner the embedded engine would build for the same settings (runner_factory);
+        self.config is validated (ModelSection) and its model a local directory (serve_cli)."""
+        from model_svc.runner_factory import RunnerSettings, build_runner
 
-        c = self.config  # validated when loaded (ModelSection); c.model is a local directory (serve_cli)
-        self.runner = ModelRunner(
-            c.model,
-            block_size=c.block_size,
-            num_device_blocks=c.num_gpu_blocks,
-            num_host_blocks=functools.partial(host_pool_blocks, c.num_cpu_blocks, c.swap_space_gib),
-            device=c.device,
-            dtype=c.dtype,
-            kernel_backend=c.kernel_backend,
-            device_memory_fraction=c.gpu_memory_utilization,
-            max_num_batched_tokens=c.max_num_batched_tokens,
-            enforce_eager=c.enforce_eager,
-            max_num_seqs=self.max_num_seqs,
-            torch_threads=c.torch_threads,
+        settings = RunnerSettings.of(
+            self.config, max_num_seqs=self.max_num_seqs, async_scheduling=self.async_scheduling
         )
+        self.runner = build_runner(settings)
 
     def info(self) -> ModelInfo:
         r = self._ready()
@@ -190,10 +182,13 @@ def _settle(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, result: Any
         loop.call_soon_threadsafe(settle)
 
 
-async def serve(config: ModelSection, max_num_seqs: int = 256, token: str | None = None) -> None:
+async def serve(
+    config: ModelSection, max_num_seqs: int = 256, token: str | None = None, *, async_scheduling: bool | None = None
+) -> None:
     """Load the model (NOT_SERVING meanwhile), serve until SIGTERM/SIGINT. `token`: the
-    internal token callers must present (every call but health and reflection)."""
-    service = ModelService(config, max_num_seqs)
+    internal token callers must present (every call but health and reflection).
+    `max_num_seqs` and `async_scheduling`: the scheduler section's."""
+    service = ModelService(config, max_num_seqs, async_scheduling=async_scheduling)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
     servicer = ModelServicer(service, executor)
     running = await start_server(

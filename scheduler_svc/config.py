@@ -94,16 +94,3 @@ class EngineConfig:
         # A repo id becomes its snapshot directory here, once, so that everything reading the
         # config (the model runner, the tokenizer) gets a local directory.
         object.__setattr__(self, "model", resolve_model(self.model))
-
-    @property
-    def small_batch_pdl(self) -> bool:
-        return small_batch_pdl(self.async_scheduling)
-
-
-def small_batch_pdl(async_scheduling: bool | None) -> bool:
-    """Whether the model runner's small-batch decode graphs should capture programmatic
-    dependent launch (model_svc.cuda_graphs.PDL_MAX_BATCH): yes when steps are queued back to
-    back (overlapped scheduling, the default on CUDA), where it shortens batch-1 decode; no
-    when each step is launched alone and waited for (synchronous), where it lengthens it
-    (bench/NOTES.md, "PDL for small batches")."""
-    return async_scheduling is not False

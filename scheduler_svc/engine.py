@@ -14,7 +14,6 @@ recomputed. A failed request's last output has finish_reason "abort" and `error`
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import time
@@ -58,24 +57,9 @@ class LLMEngine:
     ) -> None:
         self.config = config
         if model is None:
-            from model_svc.kv_cache import host_pool_blocks
-            from model_svc.runner import ModelRunner
+            from model_svc.runner_factory import RunnerSettings, build_runner
 
-            model = ModelRunner(
-                config.model,
-                block_size=config.block_size,
-                num_device_blocks=config.num_gpu_blocks,
-                num_host_blocks=functools.partial(host_pool_blocks, config.num_cpu_blocks, config.swap_space_gib),
-                device=config.device,
-                dtype=config.dtype,
-                kernel_backend=config.kernel_backend,
-                device_memory_fraction=config.gpu_memory_utilization,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enforce_eager=config.enforce_eager,
-                max_num_seqs=config.max_num_seqs,
-                small_batch_pdl=config.small_batch_pdl,
-                torch_threads=config.torch_threads,
-            )
+            model = build_runner(RunnerSettings.of(config))
         self.model = model
         self.model_config = model_config if model_config is not None else model.config
         if tokenizer is None and not config.skip_tokenizer_init:

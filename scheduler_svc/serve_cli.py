@@ -298,7 +298,8 @@ async def _serve_one(kind: str, config, creds: Credentials) -> None:
     elif kind == "model":
         from model_svc.server import serve as serve_model
 
-        await serve_model(config.model, config.scheduler.max_num_seqs, token=creds.internal_token)
+        s = config.scheduler
+        await serve_model(config.model, s.max_num_seqs, creds.internal_token, async_scheduling=s.async_scheduling)
     elif kind == "http":
         from http_svc.server import serve as serve_http
 

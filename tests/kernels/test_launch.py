@@ -47,8 +47,10 @@ def test_programmatic_dependent_launch_on_hopper(monkeypatch):
 def test_small_batch_pdl_only_where_steps_queue_back_to_back():
     """The engine asks for PDL in its small-batch decode graphs unless it launches steps one at
     a time and waits for each (synchronous scheduling)."""
-    from scheduler_svc.config import EngineConfig, small_batch_pdl
+    from model_svc.runner_factory import RunnerSettings, small_batch_pdl
+    from scheduler_svc.config import EngineConfig
 
     assert small_batch_pdl(None) and small_batch_pdl(True)
     assert not small_batch_pdl(False)
-    assert EngineConfig().small_batch_pdl and not EngineConfig(async_scheduling=False).small_batch_pdl
+    assert RunnerSettings.of(EngineConfig()).small_batch_pdl
+    assert not RunnerSettings.of(EngineConfig(async_scheduling=False)).small_batch_pdl
