@@ -28,8 +28,8 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated, grows in place
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_pending: int = 0  # tokens sampled (or being sampled) on the device, not yet read back
-    sent_table: list[int] = field(default_factory=list)  # the block table the model side has
-    table_replaced: bool = False  # entries of the table changed (copy-on-write, swap-in): diff it whole
+    num_sent_blocks: int = 0  # the model side has the table's first blocks (it only grows between preemptions)
+    table_replaced: bool = False  # entries of the table changed (copy-on-write, swap-in): send it whole
     sent_sampling: bool = False  # the model side knows this sequence
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

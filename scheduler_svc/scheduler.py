@@ -136,19 +136,17 @@ class Scheduler:
         return out
 
     def _diff_table(self, req: Request, seq: SeqStep) -> None:
-        """Put into `seq` what the model side's copy of the table lacks. Tables only grow at
-        the end, except where copy-on-write or a swap-in replaced entries (flagged)."""
+        """Put into `seq` the blocks the model side lacks. Between preemptions a table only
+        grows at the end: the blocks from `num_sent_blocks` on are new. Where copy-on-write or a
+        swap-in replaced entries (flagged), the whole table goes, from index 0."""
         table = self.kv.block_table(req.request_id)
-        sent = req.sent_table
         if req.table_replaced:
-            first = next((k for k, (a, b) in enumerate(zip(table, sent)) if a != b), min(len(table), len(sent)))
-            req.table_replaced = False
-        elif len(table) > len(sent):
-            first = len(sent)
-        else:
+            req.num_sent_blocks, req.table_replaced = 0, False
+        elif len(table) <= req.num_sent_blocks:
             return
+        first = req.num_sent_blocks
         seq.table_start, seq.table_blocks = first, table[first:]
-        req.sent_table = list(table)
+        req.num_sent_blocks = len(table)
 
     def _finishes_by_length(self, req: Request) -> bool:
         return (
@@ -193,7 +191,7 @@ class Scheduler:
         # Recompute: drop the blocks; the prompt and what was generated are fed again.
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
-        req.sent_table = []
+        req.num_sent_blocks = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
@@ -252,9 +250,9 @@ class Scheduler:
         for req in affected:
             if req.request_id in self.kv.seqs:
                 self.kv.free(req.request_id)
-            req.num_computed_tokens, req.sent_table, req.status, req.num_pending = 0, [], RequestStatus.WAITING, 0
+            req.num_computed_tokens, req.num_sent_blocks, req.status, req.num_pending = 0, 0, RequestStatus.WAITING, 0
         for req in list(self.waiting):
-            req.sent_table = []
+            req.num_sent_blocks = 0
         for req in affected + list(self.waiting):
             req.sent_sampling = False
         self.running, self.swapped = [], deque()
