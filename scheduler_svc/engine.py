@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from contracts import phase_times
 from contracts.errors import OutOfRange, RequestFailed, failed_seq_id
@@ -40,8 +40,14 @@ logger = logging.getLogger(__name__)
 class ModelClient(Protocol):
     """The scheduler's view of the model service (in process, or a gRPC stub)."""
 
-    num_device_blocks: int
-    num_host_blocks: int
+    @property
+    def num_device_blocks(self) -> int: ...
+
+    @property
+    def num_host_blocks(self) -> int: ...
+
+    @property
+    def config(self) -> Any: ...
 
     def step(self, inp: StepInput) -> StepOutput: ...
 
@@ -60,7 +66,9 @@ class LLMEngine:
             from model_svc.runner_factory import RunnerSettings, build_runner
 
             model = build_runner(RunnerSettings.of(config))
-        self.model = model
+        # Typed loosely: a ModelRunner, a RemoteModel or a test double, each with ModelClient's
+        # members, and launch() where the engine overlaps steps (checked with hasattr).
+        self.model: Any = model
         self.model_config = model_config if model_config is not None else model.config
         if tokenizer is None and not config.skip_tokenizer_init:
             tokenizer = load_tokenizer(config.model)
@@ -167,7 +175,9 @@ class LLMEngine:
         if req is None or req.finished:
             return None
         self.scheduler.finish(req, "abort")
-        return self._output(req)
+        out = self._output(req)
+        assert isinstance(out, RequestOutput)  # a finished request's output is never the delta tuple
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._inflight) or self._next is not None
@@ -295,7 +305,11 @@ class LLMEngine:
             req.logprobs.append((token.logprob, token.top_logprobs or []))
         req.token_ids.append(token.token_id)
         self._check_stop(req)
-        return self._output(req) if self.stream_outputs or req.finished else None
+        if not (self.stream_outputs or req.finished):
+            return None
+        # In "delta" mode (the engine process, whose reader takes both forms) a running request's
+        # output is its wire tuple; every other caller gets RequestOutputs.
+        return cast(RequestOutput, self._output(req))
 
     def _check_stop(self, req: Request) -> None:
         params, stream = req.sampling, self._streams[req.request_id]

@@ -233,7 +233,7 @@ class EngineCore:
         return [self._delta(out) for out in outputs]
 
     def _delta(self, out: RequestOutput | tuple) -> tuple:
-        if type(out) is tuple:  # a running request's delta, already in the wire's form (stream_outputs "delta")
+        if isinstance(out, tuple):  # a running request's delta, already in the wire's form (stream_outputs "delta")
             return out
         lp = None if out.logprobs is None else _logprobs(out)
         if not out.finished:

@@ -96,7 +96,7 @@ def split_frames(buffer: bytearray) -> list[Any]:
     return frames
 
 
-_KNOWN: dict[str, type[BaseException]] = {
+_KNOWN: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (*(getattr(errors, n) for n in dir(errors)), *(getattr(builtins, n) for n in dir(builtins)))
     if isinstance(cls, type) and issubclass(cls, Exception)

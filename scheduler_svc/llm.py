@@ -28,10 +28,10 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[in
 
     if isinstance(prompts, (str, dict)):
         return [one(prompts)]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    return [one(p) for p in prompts]
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt given as token ids
+    return [one(p) for p in items]
 
 
 class LLM:

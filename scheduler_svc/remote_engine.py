@@ -66,7 +66,8 @@ class _RemoteStep:
     (the KV answer first); once it returns or raises, nothing of the step is pending."""
 
     def __init__(self, engine: ServiceEngine, wait_kv: Callable[[], None], model: StreamedStep) -> None:
-        self.engine, self.wait_kv, self.model = engine, wait_kv, model
+        self.engine, self.model = engine, model
+        self.wait_kv: Callable[[], None] | None = wait_kv  # None once awaited
 
     def await_kv(self) -> None:
         if self.wait_kv is not None:
@@ -245,9 +246,10 @@ class ServiceEngine(LLMEngine):
         """The time left of the latest client deadline among the step's requests (None when
         one of them has none): the internal calls may not take longer than that."""
         deadlines = [self.deadlines.get(s.request.request_id) for s in sched.scheduled]  # the front end edits the dict
-        if not deadlines or any(d is None for d in deadlines):
+        known = [d for d in deadlines if d is not None]
+        if not known or len(known) < len(deadlines):
             return None
-        return max(0.05, max(deadlines) - time.monotonic())
+        return max(0.05, max(known) - time.monotonic())
 
     # ----------------------------------------------------------------- recovery
     def _on_restart(self, why: str) -> list[RequestOutput]:

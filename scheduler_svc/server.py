@@ -196,6 +196,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         stats = llm.stats
         if len(self.active) - stats.num_running - stats.num_swapped >= self.config.max_waiting:
             raise QueueFull(f"{self.config.max_waiting} requests are already waiting")
+        assert llm.info is not None  # start() has read it
         prompt, params, request_id, salt = generate_from_pb(request, llm.info.limits)
         llm.check_request(prompt, params)  # before any work: the prompt's size, the request limits
         if request_id in self.active:
@@ -207,13 +208,12 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         timer = StreamTimer(self.metrics, now)
         ended = "cancelled"  # the label it is counted under, unless it finishes: the client went away, or "error"
         try:
-            if isinstance(prompt, str):
-                prompt = await self._tokenize(prompt, request_id)
-                if prompt is None:  # aborted while it was tokenized: it never reached the engine
-                    ended = "abort"
-                    yield pb.GenerateResponse(request_id=request_id, finish_reason=pb.FINISH_REASON_ABORT)
-                    return
-            stream = llm.open(prompt, params, request_id, salt, deadline)
+            token_ids = await self._tokenize(prompt, request_id) if isinstance(prompt, str) else prompt
+            if token_ids is None:  # aborted while it was tokenized: it never reached the engine
+                ended = "abort"
+                yield pb.GenerateResponse(request_id=request_id, finish_reason=pb.FINISH_REASON_ABORT)
+                return
+            stream = llm.open(token_ids, params, request_id, salt, deadline)
             self._watch(request_id, stream, deadline)
             while True:
                 chunk = await stream.take()  # every token since the last message; raises the request's error
@@ -245,6 +245,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         """The prompt's token ids, from the tokenizer thread; None when Abort came meanwhile."""
         self._tokenizing[request_id] = False
         try:
+            assert self.llm is not None  # Generate checked it before the request got here
             token_ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.llm.tokenize, text)
         finally:
             aborted = self._tokenizing.pop(request_id)
@@ -300,6 +301,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         if self.llm is None:
             raise ServerUnavailable("the server is starting")
         await self.llm.start()
+        assert self.llm.info is not None  # start() has read it
         return model_info_to_pb(self.llm.info)
 
     async def drain(self, timeout: float) -> None:
@@ -376,7 +378,13 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
         raise
     watch, died = None, asyncio.get_running_loop().create_future()
     if servicer.llm is not None:
-        servicer.llm.on_exit = lambda why: died.done() or died.set_result(why)
+        llm = servicer.llm
+
+        def on_exit(why: str) -> None:
+            if not died.done():
+                died.set_result(why)
+
+        llm.on_exit = on_exit
 
         async def peers_down(down: bool) -> None:
             await running.set_serving(not down and not servicer.draining)
@@ -384,7 +392,7 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
         servicer.monitor = PeerMonitor(
             {"model": config.model.address, "kvcache": config.kvcache.address},
             s.peer_down_after_s,
-            lambda: servicer.llm.stats.unavailable,
+            lambda: llm.stats.unavailable,
             peers_down,
         )
         watch = asyncio.ensure_future(servicer.monitor.run())
