@@ -16,26 +16,12 @@ from importlib import metadata
 
 from contracts.sampling_params import SamplingParams
 from scheduler_svc import bench_cli, client, serve_cli
-from scheduler_svc.cli_args import HelpFormatter, UsageError, add_log_flags, add_sampling_flags
+from scheduler_svc.cli_args import HelpFormatter, UsageError, add_log_flags, add_sampling_flags, sampling_kwargs
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     try:
-        return SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.seed,
-            max_tokens=args.max_tokens,
-            stop=args.stop,
-            stop_token_ids=args.stop_token_ids,
-            ignore_eos=args.ignore_eos,
-            repetition_penalty=args.repetition_penalty,
-            presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
-            logprobs=args.logprobs,
-        )
+        return SamplingParams(**sampling_kwargs(args))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

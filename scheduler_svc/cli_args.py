@@ -106,3 +106,25 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--logprobs", type=int, default=None, help="top-n log probabilities per generated token (default: none)"
     )
+
+
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+)
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling flags (add_sampling_flags) as SamplingParams' keyword arguments."""
+    return {name: getattr(args, name) for name in SAMPLING_FIELDS}

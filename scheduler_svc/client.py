@@ -28,7 +28,7 @@ import grpc
 from contracts.auth import API_KEY_ENV, call_metadata, read_secret
 from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.cli_args import UsageError, add_log_flags, add_sampling_flags
+from scheduler_svc.cli_args import UsageError, add_log_flags, add_sampling_flags, sampling_kwargs
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SchedulerService"].full_name
@@ -203,21 +203,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 def _complete(args: argparse.Namespace) -> int:
-    sampling = dict(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        stop=args.stop,
-        stop_token_ids=args.stop_token_ids,
-        ignore_eos=args.ignore_eos,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        logprobs=args.logprobs,
-    )
+    sampling = sampling_kwargs(args)
     out = sys.stdout
     last = None
     with _client(args, args.timeout) as client:
