@@ -195,12 +195,16 @@ def test_services_start_from_the_file_and_answer(compose, tmp_path):
             procs.append(proc)
             check = [local(a) for a in services[name]["healthcheck"]["test"][1:]]
             check = [sys.executable if a == "python" else a for a in check]
-            wait_for(
-                lambda c=check, e=env: subprocess.run(c, env=e, capture_output=True, timeout=10).returncode == 0,
-                120,
-                f"{name} healthcheck from the compose file",
-                proc,
-            )
+            try:
+                wait_for(
+                    lambda c=check, e=env: subprocess.run(c, env=e, capture_output=True, timeout=10).returncode == 0,
+                    120,
+                    f"{name} healthcheck from the compose file",
+                    proc,
+                )
+            except RuntimeError as exc:  # say why the service stopped: its own last lines
+                log_tail = (tmp_path / f"{name}.log").read_text()[-3000:]
+                raise RuntimeError(f"{exc}; its log ends:\n{log_tail}") from None
         from scheduler_svc.client import Client
 
         with Client(f"127.0.0.1:{ports['scheduler']}", timeout=60, api_key=SECRETS["PICOVLLM_API_KEY"]) as c:
