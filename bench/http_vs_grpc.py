@@ -21,7 +21,6 @@ import os
 import random
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,11 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.serve import free_port, prepare_model  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -243,8 +238,6 @@ def main() -> int:
     p.add_argument("--http-url", default=None, help="a running gateway's URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args()
-    from bench.serve import prepare_model
-
     args.model, tmp = prepare_model(args.model)
     proc = None
     if args.grpc_addr and args.http_url:
