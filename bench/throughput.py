@@ -78,6 +78,43 @@ def run_embedded(args):
     )
 
 
+def _user_path_main(model_dir: str, num_seqs: int, max_len: int, conn) -> None:
+    """The child process of user_path_run."""
+    from scheduler_svc.llm import LLM
+
+    llm = LLM(model=model_dir)
+    prompts, params = make_workload(num_seqs, max_len, max_len)
+    conn.send(timed_generate(llm, prompts, params, llm.engine.model.device))
+    conn.close()
+
+
+def user_path_run(model: str, num_seqs: int, max_len: int) -> tuple[float, int, int, int]:
+    """The path users take, nano-vllm's protocol: in a fresh process, `LLM(model=dir)` with
+    every default (the directory's tokenizer detokenizes every output token), one tiny warm-up
+    generate, one timed generate of the workload. A named config (bench/common.py) gets a
+    directory of random weights with the real Qwen2 tokenizer (bench/serve.py's prepare_model).
+    Returns what timed_generate does: seconds, output tokens, steps, preemptions."""
+    import multiprocessing as mp
+    import shutil
+
+    from bench.serve import prepare_model
+
+    model_dir, tmp = prepare_model(model)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_user_path_main, args=(model_dir, num_seqs, max_len, child))
+    proc.start()
+    child.close()
+    try:
+        return parent.recv()
+    except EOFError:
+        raise SystemExit(f"the user-path run failed (exit {proc.join() or proc.exitcode})") from None
+    finally:
+        proc.join()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def run_service(args, runner_config_path: str, model=None):
     """The same workload through the KV-cache and model services (separate processes, gRPC on
     loopback) with the engine in this process, as the scheduler service runs it. A named
@@ -285,6 +322,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--check", action="store_true", help="first check greedy parity of the optimized path vs the plain one"
     )
+    ap.add_argument(
+        "--user-path",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first time the user path: LLM(model=dir) with defaults and the real tokenizer, in a fresh process",
+    )
     ap.add_argument("--out", default=None, help="write a markdown result here (default: print only)")
     return ap.parse_args()
 
@@ -357,6 +400,7 @@ def main() -> None:
     if dev.type == "cpu":
         torch.set_num_threads(1)  # as the model service runs on the CPU: a like-for-like comparison
     prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)
+    user = user_path_run(args.model, args.num_seqs, args.max_len) if args.user_path else None
     parity = []
     if args.check:
         from bench.parity import check_parity
@@ -402,8 +446,9 @@ def main() -> None:
     lines = [
         "| mode | output tokens | seconds | tok/s | roofline tok/s | fraction | steps | preemptions |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| embedded | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | "
-        f"{embedded_steps} | {embedded_preemptions} |",
+        *([user_path_row(user, roof)] if user is not None else []),
+        f"| embedded, in-memory model, no tokenizer | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} "
+        f"| {tok_s / roof:.1%} | {embedded_steps} | {embedded_preemptions} |",
         *extra_rows,
         *(
             ["", f"repeats in one process (tok/s, in order): {', '.join(f'{r[1] / r[0]:,.0f}' for r in runs)}"]
@@ -422,6 +467,15 @@ def main() -> None:
     print("\n".join(lines))
     if args.out:
         write_result(args.out, "Offline throughput (nano-vllm workload)", env, "\n".join(lines))
+
+
+def user_path_row(user: tuple[float, int, int, int], roof: float) -> str:
+    seconds, num_out, steps, preemptions = user
+    tok_s = num_out / seconds
+    return (
+        f"| user path: LLM(model=dir), defaults, Qwen2 tokenizer, fresh process | {num_out} | {seconds:.2f} "
+        f"| {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | {steps} | {preemptions} |"
+    )
 
 
 def notes(phase_rows: list[str], parity: list[str]) -> list[str]:

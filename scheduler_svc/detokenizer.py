@@ -25,6 +25,7 @@ class DetokenizerState:
     text: str = ""
     delta: str = ""  # the text the last step added
     prefix_text: str | None = None  # the text of ids[prefix_offset:read_offset], once decoded
+    num_seen: int = 0  # the ids the last step covered
 
     def cut_at_stop(self, stop: list[str]) -> str | None:
         """The stop string that ends earliest in the text, found where it could end in the
@@ -48,18 +49,30 @@ class IncrementalDetokenizer:
         # The text of single tokens, as decoded (a request that advances every step has its
         # last token alone as the next step's prefix window); at most one entry per id.
         self._single: dict[int, str] = {}
+        # convert_ids_to_tokens(id) is None for an id that decode() drops (Hugging Face's
+        # decode keeps only the ids it finds a token for); a tokenizer without it: every
+        # request decodes every step.
+        self._knows_vocabulary = hasattr(tokenizer, "convert_ids_to_tokens")
+        self._absent: dict[int, bool] = {}
 
     def start(self, num_prompt_tokens: int) -> DetokenizerState:
-        return DetokenizerState(max(0, num_prompt_tokens - _CONTEXT), num_prompt_tokens)
+        return DetokenizerState(max(0, num_prompt_tokens - _CONTEXT), num_prompt_tokens, num_seen=num_prompt_tokens)
 
     def step_batch(self, states: list[DetokenizerState], token_ids: list[list[int]]) -> list[Exception | None]:
         """Advance each request's state (states[i] over its ids token_ids[i]) by the tokens
         appended since its last step, setting its `delta`; for each, the exception its decode
         raised, or None (the others' deltas stand). One decode per request (its window from
         prefix_offset on), and its prefix window's too where neither the state nor the
-        single-token table holds that text yet."""
-        windows: list[list[int]] = []
-        for state, ids in zip(states, token_ids):
+        single-token table holds that text yet; none for a request whose new tokens are all
+        outside the vocabulary (decode drops such ids wherever they stand, so its texts are
+        those of its last step, which did not advance past them)."""
+        errors: list[Exception | None] = [None] * len(states)
+        live, windows = [], []
+        for i, (state, ids) in enumerate(zip(states, token_ids)):
+            seen, state.num_seen, state.delta = state.num_seen, len(ids), ""
+            if self._knows_vocabulary and all(map(self._no_text, ids[seen:])):
+                continue
+            live.append(i)
             p, r = state.prefix_offset, state.read_offset
             if state.prefix_text is None and r - p == 1:
                 state.prefix_text = self._single.get(ids[p])
@@ -70,20 +83,27 @@ class IncrementalDetokenizer:
             texts: list[str | Exception] = list(self._decode_batch(windows))
         except Exception:  # noqa: BLE001 - find whose ids broke it: they fail, not the batch
             texts = [self._decode_or_error(w) for w in windows]
-        errors: list[Exception | None] = []
         decoded = iter(texts)
-        for state, ids in zip(states, token_ids):
+        for i in live:
+            state, ids = states[i], token_ids[i]
             if state.prefix_text is None:
                 prefix = next(decoded)
                 if isinstance(prefix, Exception):
                     next(decoded)
-                    errors.append(prefix)
+                    errors[i] = prefix
                     continue
                 state.prefix_text = prefix
                 if state.read_offset - state.prefix_offset == 1:
                     self._single[ids[state.prefix_offset]] = prefix
-            errors.append(self._advance(state, ids, next(decoded)))
+            errors[i] = self._advance(state, ids, next(decoded))
         return errors
+
+    def _no_text(self, token_id: int) -> bool:
+        """An id outside the tokenizer's vocabulary (decode drops it), from a table."""
+        absent = self._absent.get(token_id)
+        if absent is None:
+            absent = self._absent[token_id] = self.tokenizer.convert_ids_to_tokens(token_id) is None
+        return absent
 
     def _decode_batch(self, windows: list[list[int]]) -> list[str]:
         batch = getattr(self.tokenizer, "decode_batch", None)

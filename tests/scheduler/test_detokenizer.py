@@ -1,6 +1,6 @@
 """The batched incremental detokenizer gives, step by step, the deltas of the plain algorithm
 (two decodes per request per step), on the real Qwen2 tokenizer with multi-byte characters,
-special tokens and both skip_special_tokens values in one batch; a request whose ids cannot
+special tokens, ids past the vocabulary and both skip_special_tokens values in one batch; a request whose ids cannot
 be decoded fails alone; a stop string is cut where it ends earliest."""
 
 from __future__ import annotations
@@ -47,9 +47,15 @@ def test_batched_deltas_equal_the_plain_algorithms(tokenizer):
     for step in range(60):
         live = [i for i in range(n) if step < 20 + 3 * i]  # requests end at different steps
         for i in live:
-            # Byte-level fragments of multi-byte characters, whole words, special tokens, random ids.
-            choice = rng.random()
-            token = rng.choice(pieces) if choice < 0.5 else rng.randrange(128000, 151643) if choice < 0.8 else 9707
+            # Byte-level fragments of multi-byte characters, special tokens, random ids, ids past
+            # the vocabulary (151,646 and up: decode drops them), runs of those in some requests.
+            choice = rng.random() if i % 4 else rng.random() * 0.4 + 0.6
+            if choice < 0.4:
+                token = rng.choice(pieces)
+            elif choice < 0.6:
+                token = rng.randrange(128000, 151643)
+            else:
+                token = rng.randrange(151646, 151936) if choice < 0.9 else 9707
             ids[i].append(token)
         errors = detok.step([ours[i] for i in live], [ids[i] for i in live], [skip[i] for i in live])
         assert errors == [None] * len(live)
