@@ -2,11 +2,11 @@
 the spacing the prompt context implies (the same approach as vLLM's).
 
 `IncrementalDetokenizer.step_batch` detokenizes the new tokens of every request of one
-engine step in one call of the tokenizer's `decode_batch` where it has one: Hugging Face's
-`tokenizers` runs it in Rust, on its thread pool, without the interpreter lock, so the
-engine pays one call per step instead of two tokenizer calls per request
-(docs/ARCHITECTURE.md, "Detokenization"). A batch that raises is decoded again request by
-request, so that a request whose ids cannot be decoded fails alone.
+engine step together: a large step's windows in one call of the tokenizer's `decode_batch`
+where it has one (Hugging Face's `tokenizers` runs it in Rust, on its thread pool, without
+the interpreter lock), one decode per request rather than two, none for a request whose new
+ids cannot change its text (docs/ARCHITECTURE.md, "Detokenization"). A batch that raises is
+decoded again window by window, so that a request whose ids cannot be decoded fails alone.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from typing import cast
 
 # Context tokens decoded before the new ones, so a leading-space marker renders correctly.
 _CONTEXT = 6
+# Fewer windows than this in a step are decoded one call each: waking the tokenizer's thread
+# pool costs more than it saves on a small batch (batch-1 decoding above all; bench/NOTES.md).
+BATCH_MIN_WINDOWS = 64
 
 
 @dataclass(slots=True)
@@ -107,7 +110,7 @@ class IncrementalDetokenizer:
 
     def _decode_batch(self, windows: list[list[int]]) -> list[str]:
         batch = getattr(self.tokenizer, "decode_batch", None)
-        if batch is None:  # a tokenizer without one (a test double): one call per window
+        if batch is None or len(windows) < BATCH_MIN_WINDOWS:  # one call per window
             return [self.tokenizer.decode(w, skip_special_tokens=self.skip_special_tokens) for w in windows]
         return batch(windows, skip_special_tokens=self.skip_special_tokens)
 

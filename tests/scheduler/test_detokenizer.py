@@ -1,7 +1,8 @@
 """The batched incremental detokenizer gives, step by step, the deltas of the plain algorithm
-(two decodes per request per step), on the real Qwen2 tokenizer with multi-byte characters,
-special tokens, ids past the vocabulary and both skip_special_tokens values in one batch; a request whose ids cannot
-be decoded fails alone; a stop string is cut where it ends earliest."""
+(two decodes per request per step), through decode_batch and through one decode per window,
+on the real Qwen2 tokenizer with multi-byte characters, special tokens, ids past the
+vocabulary and both skip_special_tokens values in one batch; a request whose ids cannot be
+decoded fails alone; a stop string is cut where it ends earliest."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from contracts.tokenizer import load_tokenizer
-from scheduler_svc.detokenizer import DetokenizerState, Detokenizers
+from scheduler_svc import detokenizer
+from scheduler_svc.detokenizer import Detokenizers, DetokenizerState
 
 QWEN2 = Path(__file__).resolve().parent.parent / "fixtures" / "qwen2_tokenizer"
 
@@ -33,7 +35,9 @@ def plain_delta(tokenizer, skip: bool, state: DetokenizerState, ids: list[int]) 
     return delta
 
 
-def test_batched_deltas_equal_the_plain_algorithms(tokenizer):
+@pytest.mark.parametrize("min_windows", [0, 10**9], ids=["decode_batch", "decode per window"])
+def test_batched_deltas_equal_the_plain_algorithms(tokenizer, monkeypatch, min_windows):
+    monkeypatch.setattr(detokenizer, "BATCH_MIN_WINDOWS", min_windows)
     rng = random.Random(0)
     text = "Hello wörld, 你好 🙂🙂 <|im_end|> naïve café — ok.\n\tend"
     pieces = tokenizer.encode(text) + [151643, 151644]  # multi-byte pieces and special tokens
