@@ -105,8 +105,18 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024, help="max input and output length")
     ap.add_argument("--tokenizers", default=",".join(TOKENIZERS), help="which runs, comma-separated")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each (the best is reported)")
+    ap.add_argument(
+        "--batch-min-windows",
+        type=int,
+        default=None,
+        help="steps with fewer windows decode one call each (default: scheduler_svc.detokenizer's)",
+    )
     ap.add_argument("--out", default=None, help="write a markdown result here (default: print only)")
     args = ap.parse_args()
+    if args.batch_min_windows is not None:
+        from scheduler_svc import detokenizer
+
+        detokenizer.BATCH_MIN_WINDOWS = args.batch_min_windows
     results = run(args.tokenizers.split(","), args.num_seqs, args.max_len, args.repeats)
     base = results.get("none")
     lines = ["| tokenizer | output tokens | seconds | engine tok/s | vs none |", "| --- | ---: | ---: | ---: | ---: |"]
