@@ -5,6 +5,12 @@ and output lengths). Results of the H200 runs: bench/results/throughput_h200*.md
     python bench/throughput.py --model tiny --device cpu --num-seqs 16 --max-len 128   # a quick try on the CPU
     python bench/throughput.py --model path/to/hf-dir
 
+The first row is the path users take (`--no-user-path` leaves it out): in a fresh process,
+`LLM(model=dir)` with every default over the model's directory (a named config: random
+weights written with the real Qwen2 tokenizer beside them), so every output token is
+detokenized; one tiny warm-up generate, one timed generate of the workload (nano-vllm's
+protocol). The second is the in-memory model without a tokenizer, as the bench always timed it.
+
 Prints output tokens, seconds, tok/s, the bandwidth roofline computed for this very workload
 from the measured copy bandwidth (each decode step reads the weights once plus all live K/V;
 prefill at the measured matmul rate), and the fraction of it reached.
