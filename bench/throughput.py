@@ -84,21 +84,24 @@ def run_embedded(args):
     )
 
 
-def _user_path_main(model_dir: str, num_seqs: int, max_len: int, conn) -> None:
+def _user_path_main(model_dir: str, num_seqs: int, max_len: int, skip_tokenizer_init: bool, conn) -> None:
     """The child process of user_path_run."""
     from scheduler_svc.llm import LLM
 
-    llm = LLM(model=model_dir)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True) if skip_tokenizer_init else LLM(model=model_dir)
     prompts, params = make_workload(num_seqs, max_len, max_len)
     conn.send(timed_generate(llm, prompts, params, llm.engine.model.device))
     conn.close()
 
 
-def user_path_run(model: str, num_seqs: int, max_len: int) -> tuple[float, int, int, int]:
+def user_path_run(
+    model: str, num_seqs: int, max_len: int, skip_tokenizer_init: bool = False
+) -> tuple[float, int, int, int]:
     """The path users take, nano-vllm's protocol: in a fresh process, `LLM(model=dir)` with
     every default (the directory's tokenizer detokenizes every output token), one tiny warm-up
     generate, one timed generate of the workload. A named config (bench/common.py) gets a
     directory of random weights with the real Qwen2 tokenizer (bench/serve.py's prepare_model).
+    skip_tokenizer_init: the one setting changed, for what detokenization costs on this path.
     Returns what timed_generate does: seconds, output tokens, steps, preemptions."""
     import multiprocessing as mp
     import shutil
@@ -108,7 +111,7 @@ def user_path_run(model: str, num_seqs: int, max_len: int) -> tuple[float, int, 
     model_dir, tmp = prepare_model(model)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_user_path_main, args=(model_dir, num_seqs, max_len, child))
+    proc = ctx.Process(target=_user_path_main, args=(model_dir, num_seqs, max_len, skip_tokenizer_init, child))
     proc.start()
     child.close()
     try:
@@ -334,6 +337,11 @@ def parse_args() -> argparse.Namespace:
         default=True,
         help="first time the user path: LLM(model=dir) with defaults and the real tokenizer, in a fresh process",
     )
+    ap.add_argument(
+        "--user-path-skip-tokenizer",
+        action="store_true",
+        help="then the user path again with skip_tokenizer_init=True (what detokenization costs there)",
+    )
     ap.add_argument("--out", default=None, help="write a markdown result here (default: print only)")
     return ap.parse_args()
 
@@ -406,7 +414,9 @@ def main() -> None:
     if dev.type == "cpu":
         torch.set_num_threads(1)  # as the model service runs on the CPU: a like-for-like comparison
     prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)
-    user = user_path_run(args.model, args.num_seqs, args.max_len) if args.user_path else None
+    user = [user_path_run(args.model, args.num_seqs, args.max_len)] if args.user_path else []
+    if args.user_path and args.user_path_skip_tokenizer:
+        user.append(user_path_run(args.model, args.num_seqs, args.max_len, skip_tokenizer_init=True))
     parity = []
     if args.check:
         from bench.parity import check_parity
@@ -452,7 +462,7 @@ def main() -> None:
     lines = [
         "| mode | output tokens | seconds | tok/s | roofline tok/s | fraction | steps | preemptions |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        *([user_path_row(user, roof)] if user is not None else []),
+        *(user_path_row(run, roof, skip_tokenizer_init=i == 1) for i, run in enumerate(user)),
         f"| embedded, in-memory model, no tokenizer | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} "
         f"| {tok_s / roof:.1%} | {embedded_steps} | {embedded_preemptions} |",
         *extra_rows,
@@ -475,11 +485,12 @@ def main() -> None:
         write_result(args.out, "Offline throughput (nano-vllm workload)", env, "\n".join(lines))
 
 
-def user_path_row(user: tuple[float, int, int, int], roof: float) -> str:
+def user_path_row(user: tuple[float, int, int, int], roof: float, skip_tokenizer_init: bool = False) -> str:
     seconds, num_out, steps, preemptions = user
     tok_s = num_out / seconds
+    what = "skip_tokenizer_init=True, else defaults" if skip_tokenizer_init else "defaults, Qwen2 tokenizer"
     return (
-        f"| user path: LLM(model=dir), defaults, Qwen2 tokenizer, fresh process | {num_out} | {seconds:.2f} "
+        f"| user path: LLM(model=dir), {what}, fresh process | {num_out} | {seconds:.2f} "
         f"| {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | {steps} | {preemptions} |"
     )
 

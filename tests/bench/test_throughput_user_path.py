@@ -25,6 +25,9 @@ def test_user_path_generates_the_workload_through_llm_defaults():
     assert steps >= max(p.max_tokens for p in params) and preemptions == 0
     row = user_path_row((seconds, num_out, steps, preemptions), 2 * num_out / seconds)
     assert row.startswith("| user path: LLM(model=dir), defaults") and f"| {num_out} |" in row and "| 50.0% |" in row
+    skipped = user_path_run("tiny", 3, 120, skip_tokenizer_init=True)
+    assert skipped[1] == num_out
+    assert "skip_tokenizer_init=True" in user_path_row(skipped, float("nan"), skip_tokenizer_init=True)
 
 
 @pytest.mark.timeout(300)
