@@ -10,6 +10,13 @@ host pool or by dropping its blocks to recompute later (the fallback when the ho
 full). Swapped requests come back before any new request is admitted; new requests are
 admitted first-come-first-served with their longest cached prefix, chunked to the token
 budget of the step.
+
+Parallel sampling (n > 1, scheduler_svc.request): the parent is scheduled like any request
+until its prompt but the last token is computed; then `_fork` gives each child the parent's
+blocks by reference and puts the children in the parent's place. A child's first write into
+the shared partial last block copies it (copy-on-write, in the step's `copies`), so of n
+children the first n - 1 to write copy it once each and the last one keeps the original. A
+parent holds room for all its children in max_num_seqs from its admission on.
 """
 
 from __future__ import annotations
@@ -83,14 +90,26 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens needs {needed} blocks; "
                 f"the device pool has {self.kv.device.num_blocks}"
             )
+        if len(request.children) > self.config.max_num_seqs:
+            raise ValueError(f"n {len(request.children)} is over max_num_seqs {self.config.max_num_seqs}")
+        if request.children and request.feed_end == 0:  # nothing to prefill: the children start alone
+            request.forked, request.status = True, RequestStatus.RUNNING
+            self.waiting.extend(request.children)
+            return
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
     def finish(self, request: Request, reason: str) -> None:
-        """Stop a request in any state and release its blocks."""
+        """Stop a request in any state and release its blocks (a parent's: every child's). A
+        parent finishes with its last child."""
         if request.finished:
+            return
+        if request.forked:
+            for child in request.children:
+                self.finish(child, reason)
+            request.status, request.finish_reason = RequestStatus.FINISHED, reason
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
@@ -103,6 +122,9 @@ class Scheduler:
         if request.sent_sampling:
             self.pending_finished.append(request.request_id)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        parent = request.parent
+        if parent is not None and not parent.finished and all(c.finished for c in parent.children):
+            parent.status, parent.finish_reason = RequestStatus.FINISHED, parent.children[0].finish_reason
 
     # ----------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
@@ -116,7 +138,7 @@ class Scheduler:
             if req.num_pending and self._finishes_by_length(req):
                 i += 1  # its pending token is its last: it finishes when that is read back
                 continue
-            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            num_new = min(req.feed_end - req.num_computed_tokens, budget)
             while True:
                 result = self.kv.append_slots(req.request_id, req.num_computed_tokens, num_new)
                 if not isinstance(result, NoFreeBlocks):
@@ -202,13 +224,20 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
+    def _num_seq_slots(self) -> int:
+        """Running sequences, counting an unforked parent as all its children."""
+        return len(self.running) + sum(len(r.children) - 1 for r in self.running if r.children and not r.forked)
+
+    def _has_room(self, req: Request) -> bool:
+        return self._num_seq_slots() + max(1, len(req.children)) <= self.config.max_num_seqs
+
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and self._has_room(self.swapped[0]):
             req = self.swapped[0]
             num_blocks = len(self.kv.block_table(req.request_id))
             # Room for the blocks and for what this step writes (a decode token, or the rest of a
             # prompt that was preempted part-way through its prefill), so it can run now.
-            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            num_new = min(req.feed_end - req.num_computed_tokens, budget)
             grow = max(0, self.kv.num_blocks_for(req.num_computed_tokens + num_new) - num_blocks)
             if num_blocks + grow > self.kv.num_free_blocks(Tier.DEVICE):
                 break
@@ -227,14 +256,16 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._has_room(self.waiting[0]):
             req = self.waiting[0]
             if req.num_pending:  # preempted while its last token is still being read back
                 break
             if not self.config.enable_chunked_prefill and req.num_tokens > budget:
                 break
             token_bytes = req.prompt_bytes if req.num_tokens == req.num_prompt_tokens else None
-            result = self.kv.allocate(req.request_id, req.token_ids, budget, req.cache_salt, token_bytes)
+            # A parent prefills its prompt but the last token (feed_end).
+            tokens = req.token_ids[: req.feed_end] if req.children else req.token_ids
+            result = self.kv.allocate(req.request_id, tokens, budget, req.cache_salt, token_bytes)
             if isinstance(result, NoFreeBlocks):
                 break  # first come, first served: later requests wait too
             self.waiting.popleft()
@@ -275,3 +306,20 @@ class Scheduler:
             req.num_computed_tokens += len(seq.token_ids)
             # Steps still in flight may have fed tokens not read back yet: only known tokens hash.
             self.kv.cache_blocks(req.request_id, req.token_ids, min(req.num_computed_tokens, req.num_tokens))
+            if req.children and not req.forked and req.num_computed_tokens >= req.feed_end:
+                self._fork(req)
+
+    def _fork(self, parent: Request) -> None:
+        """The parent's prompt but its last token is in the cache: each child takes the
+        parent's blocks by reference and its place in the running queue; the parent's own
+        sequence goes (the children hold the blocks)."""
+        for child in parent.children:
+            self.kv.fork(parent.request_id, child.request_id)
+            child.num_computed_tokens, child.status = parent.num_computed_tokens, RequestStatus.RUNNING
+            child.num_cached_tokens = parent.num_cached_tokens
+        self.kv.free(parent.request_id)
+        at = self.running.index(parent)
+        self.running[at : at + 1] = parent.children
+        parent.forked = True
+        if parent.sent_sampling:
+            self.pending_finished.append(parent.request_id)
