@@ -15,8 +15,9 @@ Parallel sampling (n > 1, scheduler_svc.request): the parent is scheduled like a
 until its prompt but the last token is computed; then `_fork` gives each child the parent's
 blocks by reference and puts the children in the parent's place. A child's first write into
 the shared partial last block copies it (copy-on-write, in the step's `copies`), so of n
-children the first n - 1 to write copy it once each and the last one keeps the original. A
-parent holds room for all its children in max_num_seqs from its admission on.
+children the first n - 1 to write copy it once each and the last one keeps the original.
+Children beyond max_num_seqs start alone instead, first in the waiting queue (their prompt
+blocks come from the prefix cache, where the parent registered them).
 """
 
 from __future__ import annotations
@@ -90,8 +91,6 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens needs {needed} blocks; "
                 f"the device pool has {self.kv.device.num_blocks}"
             )
-        if len(request.children) > self.config.max_num_seqs:
-            raise ValueError(f"n {len(request.children)} is over max_num_seqs {self.config.max_num_seqs}")
         if request.children and request.feed_end == 0:  # nothing to prefill: the children start alone
             request.forked, request.status = True, RequestStatus.RUNNING
             self.waiting.extend(request.children)
@@ -224,15 +223,8 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
-    def _num_seq_slots(self) -> int:
-        """Running sequences, counting an unforked parent as all its children."""
-        return len(self.running) + sum(len(r.children) - 1 for r in self.running if r.children and not r.forked)
-
-    def _has_room(self, req: Request) -> bool:
-        return self._num_seq_slots() + max(1, len(req.children)) <= self.config.max_num_seqs
-
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and self._has_room(self.swapped[0]):
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             num_blocks = len(self.kv.block_table(req.request_id))
             # Room for the blocks and for what this step writes (a decode token, or the rest of a
@@ -256,7 +248,7 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and self._has_room(self.waiting[0]):
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.num_pending:  # preempted while its last token is still being read back
                 break
@@ -310,16 +302,20 @@ class Scheduler:
                 self._fork(req)
 
     def _fork(self, parent: Request) -> None:
-        """The parent's prompt but its last token is in the cache: each child takes the
-        parent's blocks by reference and its place in the running queue; the parent's own
-        sequence goes (the children hold the blocks)."""
-        for child in parent.children:
+        """The parent's prompt but its last token is in the cache: each child (as many as
+        max_num_seqs has room for) takes the parent's blocks by reference and its place in the
+        running queue; the parent's own sequence goes (the children hold the blocks)."""
+        room = self.config.max_num_seqs - len(self.running) + 1  # the parent's place is one
+        forked, later = parent.children[:room], parent.children[room:]
+        for child in forked:
             self.kv.fork(parent.request_id, child.request_id)
             child.num_computed_tokens, child.status = parent.num_computed_tokens, RequestStatus.RUNNING
+        for child in parent.children:
             child.num_cached_tokens = parent.num_cached_tokens
         self.kv.free(parent.request_id)
         at = self.running.index(parent)
-        self.running[at : at + 1] = parent.children
+        self.running[at : at + 1] = forked
+        self.waiting.extendleft(reversed(later))
         parent.forked = True
         if parent.sent_sampling:
             self.pending_finished.append(parent.request_id)

@@ -13,7 +13,10 @@ from contracts.sampling_params import RequestLimits
 from scheduler_svc import LLM, AsyncLLM, SamplingParams
 
 # 39 tokens: two full blocks and a partial one once the parent has prefilled all but the last.
-PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big"
+PROMPT = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+    "One day, she saw a big"
+)
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +200,9 @@ def test_bad_n(kwargs):
 def test_n_over_the_limit(llm):
     with pytest.raises(ValueError, match="n: a count of 129"):
         SamplingParams(n=129).check_limits(RequestLimits(), 512)
-    small = LLM(num_gpu_blocks=32, max_num_seqs=4)
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        small.engine.add_request(PROMPT, SamplingParams(n=5))
+    # More completions than max_num_seqs: the ones without room start alone (prefix-cache hits).
+    small = LLM(num_gpu_blocks=32, max_num_seqs=2)
+    want = small.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].token_ids
+    out = small.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, n=5))[0]
+    assert [c.token_ids for c in out.outputs] == [want] * 5
+    _clean(small)
