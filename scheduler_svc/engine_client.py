@@ -103,7 +103,7 @@ class OutputStream:
         await self._wait()
         chunks = [(i, *self.completions[i]) for i in sorted(self.completions)]
         self.completions = {}
-        return chunks, self.final  # type: ignore[return-value]
+        return chunks, self.final
 
     async def _wait(self) -> None:
         while not (self.token_ids or self.text or self.completions or self.final is not None or self.error is not None):

@@ -225,13 +225,13 @@ class EngineCore:
             outputs = self.engine.step()
         except Exception as exc:  # a broken step fails every open request, not the loop
             logger.exception("an engine step failed; failing its %d open requests", len(self.open))
-            deltas = []
+            deltas: list[tuple] = []
             for request_id in list(self.open):
                 self.engine.abort(request_id)
                 self._closed(request_id)
                 deltas.append(_final(request_id, exc))
             return deltas
-        deltas: list[tuple] = []
+        deltas = []
         for out in outputs:
             if isinstance(out, tuple):  # a running request's delta, already in the wire's form (stream_outputs "delta")
                 deltas.append(out)

@@ -1,29 +1,11 @@
 """The randomized driver's independent model of KV contents (tests/kvcache/test_randomized.py):
-a fingerprint per (salt, token prefix), its own copy of each sequence, and a snapshot of the
-manager's whole state (to check that an operation refused with NoFreeBlocks changed nothing).
-"""
+a fingerprint per (salt, token prefix) and its own copy of each sequence."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcache_svc import KVCacheManager, Tier
-
-
-def snapshot(mgr: KVCacheManager):
-    pools = {}
-    for tier, pool in mgr.pools.items():
-        pools[tier] = (
-            [(b.ref_count, b.block_hash, b.token_ids) for b in pool.blocks],
-            list(pool.free_ids),
-            list(pool.lru),
-            dict(pool.hash_to_block),
-            pool.num_evictions,
-        )
-    seqs = {
-        sid: (s.tier, list(s.block_ids), s.extra_key, s.num_hashed_blocks, s.last_hash) for sid, s in mgr.seqs.items()
-    }
-    return pools, seqs, mgr.num_prefix_queries, mgr.num_prefix_hits
+from kvcache_svc import Tier
 
 
 class Fingerprints:

@@ -27,7 +27,8 @@ from collections import OrderedDict, deque
 import pytest
 
 from kvcache_svc import Allocated, Appended, KVCacheManager, NoFreeBlocks, Tier, hash_block
-from tests.kvcache.fingerprints import Fingerprints, MSeq, snapshot
+from tests.kvcache.common import snapshot
+from tests.kvcache.fingerprints import Fingerprints, MSeq
 
 DEV, HOST = Tier.DEVICE, Tier.HOST
 
