@@ -206,3 +206,16 @@ def test_n_over_the_limit(llm):
     out = small.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, n=5))[0]
     assert [c.token_ids for c in out.outputs] == [want] * 5
     _clean(small)
+
+
+def test_overlapped_scheduling_penalties_and_logprobs():
+    overlapped = LLM(num_gpu_blocks=128, async_scheduling=True)
+    assert overlapped.engine.async_scheduling
+    for extra in ({}, {"repetition_penalty": 1.3}):
+        one = overlapped.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, **extra))[0]
+        four = overlapped.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, n=4, **extra))[0]
+        assert all(c.token_ids == one.token_ids for c in four.outputs), extra
+    out = overlapped.generate(PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=10, n=3, logprobs=2))[0]
+    for c in out.outputs:
+        assert len(c.logprobs) == 10 and all(t in lp for t, lp in zip(c.token_ids, c.logprobs))
+    _clean(overlapped)
