@@ -121,6 +121,8 @@ class Scheduler:
         if request.sent_sampling:
             self.pending_finished.append(request.request_id)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        for child in request.children:  # a parent stopped before its fork: its children never ran
+            child.status, child.finish_reason = RequestStatus.FINISHED, reason
         parent = request.parent
         if parent is not None and not parent.finished and all(c.finished for c in parent.children):
             parent.status, parent.finish_reason = RequestStatus.FINISHED, parent.children[0].finish_reason

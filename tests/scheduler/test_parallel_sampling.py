@@ -153,6 +153,16 @@ def test_abort_frees_every_child(llm):
     _clean(llm)
 
 
+def test_abort_before_the_fork(llm):
+    engine = llm.engine
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=8, n=3))
+    out = engine.abort(rid)
+    assert out is not None and out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * 3
+    while engine.has_unfinished():
+        engine.step()
+    _clean(llm)
+
+
 def test_one_token_prompt(llm):
     out = llm.generate([[7]], SamplingParams(temperature=0, max_tokens=5, n=3))[0]
     one = llm.generate([[7]], SamplingParams(temperature=0, max_tokens=5))[0]
