@@ -207,6 +207,13 @@ def test_bad_n(kwargs):
         SamplingParams(**kwargs)
 
 
+def test_grpc_client_complete_is_one_completion():
+    from scheduler_svc.client import Client
+
+    with Client("127.0.0.1:1") as c, pytest.raises(ValueError, match="generate"):
+        c.complete("x", n=2)
+
+
 def test_n_over_the_limit(llm):
     with pytest.raises(ValueError, match="n: a count of 129"):
         SamplingParams(n=129).check_limits(RequestLimits(), 512)
