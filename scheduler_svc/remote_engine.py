@@ -331,6 +331,7 @@ def build_service_engine(config: Any, skip_tokenizer_init: bool = False, token: 
     engine = ServiceEngine(engine_config, model, kv, None if skip_tokenizer_init else load_tokenizer(config.tokenizer))
     engine.limits = RequestLimits(
         max_logprobs=s.max_logprobs,
+        max_n=s.max_n,
         max_stop_strings=s.max_stop_strings,
         max_stop_chars=s.max_stop_chars,
         max_prompt_chars=s.max_prompt_chars,
