@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence, Sized
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 _INT32_MAX = (1 << 31) - 1
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -23,6 +23,7 @@ class RequestLimits:
     inside it. max_prompt_chars: None derives it from max_model_len (see prompt_chars)."""
 
     max_logprobs: int = 20
+    max_n: int = 128  # completions of one request (each is a sequence of the running batch)
     max_stop_strings: int = 64
     max_stop_chars: int = 4096  # all stop strings of a request together
     max_stop_token_ids: int = 1024
@@ -32,7 +33,14 @@ class RequestLimits:
     chars_per_token: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_logprobs", "max_stop_strings", "max_stop_chars", "max_stop_token_ids", "chars_per_token"):
+        for name in (
+            "max_logprobs",
+            "max_n",
+            "max_stop_strings",
+            "max_stop_chars",
+            "max_stop_token_ids",
+            "chars_per_token",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
@@ -66,7 +74,10 @@ class RequestLimits:
 
 @dataclass(slots=True)
 class SamplingParams:
-    """temperature 0 means greedy. Invalid values raise ValueError naming the field."""
+    """temperature 0 means greedy. Invalid values raise ValueError naming the field.
+
+    n > 1 asks for n completions of the prompt (parallel sampling): they share the prompt's
+    KV-cache blocks, and completion i samples with `child(i)`'s parameters."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -82,6 +93,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top-n logprobs per generated token (plus the sampled one)
     skip_special_tokens: bool = True
+    n: int = 1  # completions of the prompt
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,8 +126,13 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be a non-negative integer or None")
-        if self.seed is not None and (not isinstance(self.seed, int) or not _INT64_MIN <= self.seed <= _INT64_MAX):
-            raise bad("seed", "must be a 64-bit signed integer or None")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        # Completion i is seeded with seed + i (child): every one must stay a 64-bit integer.
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not _INT64_MIN <= self.seed <= _INT64_MAX - (self.n - 1)
+        ):
+            raise bad("seed", f"must be a 64-bit signed integer (at most {_INT64_MAX} - (n - 1)) or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -128,6 +145,7 @@ class SamplingParams:
             if value > cap:
                 raise ValueError(f"{name}: {what} {value} is over the limit of {cap}")
 
+        over("n", "a count of", self.n, limits.max_n)
         if self.logprobs is not None:
             over("logprobs", "top-n of", self.logprobs, min(limits.max_logprobs, vocab_size))
         over("stop", "a count of", len(self.stop), limits.max_stop_strings)
@@ -136,6 +154,13 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be < the vocabulary size {vocab_size}, got {bad[:5]}")
+
+    def child(self, index: int) -> SamplingParams:
+        """The parameters completion `index` of n samples with: n = 1, and a seeded request's
+        seed + index (vLLM's rule), so seeded runs give the same n completions every time and
+        completion i equals an n = 1 request seeded with seed + i. Unseeded completions each
+        draw from the shared generator, so they differ from one another."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     @property
     def greedy(self) -> bool:

@@ -80,6 +80,7 @@ class SchedulerSection:
     max_request_bytes: int = 4 << 20  # a larger Generate message gets RESOURCE_EXHAUSTED from gRPC
     max_prompt_chars: int | None = None  # None: max_model_len x 16 characters
     max_logprobs: int = 20  # top-n logprobs per token (never above the vocabulary)
+    max_n: int = 128  # completions of one request (SamplingParams.n)
     max_stop_strings: int = 64
     max_stop_chars: int = 4096  # all stop strings of a request together
     # A request waiting on a model or KV-cache service that has been unreachable this long
@@ -105,6 +106,7 @@ class SchedulerSection:
             "startup_timeout_s",
             "max_request_bytes",
             "max_prompt_chars",
+            "max_n",
         )
         for name in ("max_logprobs", "max_stop_strings", "max_stop_chars"):
             if getattr(self, name) < 0:

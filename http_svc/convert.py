@@ -28,6 +28,7 @@ _SAME_NAME = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "n",
 )
 
 
@@ -75,6 +76,7 @@ class Choice:
         self.logprobs.extend(message.logprobs)
         if message.finish_reason:
             self.finish_reason = FINISH_REASONS.get(message.finish_reason, "stop")
+        if message.HasField("usage"):  # once per prompt: with n > 1 it counts all n completions
             self.prompt_tokens = message.usage.prompt_tokens
             self.completion_tokens = message.usage.completion_tokens
 
@@ -147,18 +149,21 @@ def completion_response(
     }
 
 
-def chat_response(request_id: str, model: str, choice: Choice, num_logprobs: int | None, token_text) -> dict[str, Any]:
+def chat_response(
+    request_id: str, model: str, choices: list[Choice], num_logprobs: int | None, token_text
+) -> dict[str, Any]:
     return {
         **envelope(request_id, "chat.completion", model),
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(choice.text)},
-                "finish_reason": choice.finish_reason,
-                "logprobs": None if num_logprobs is None else chat_logprobs(choice.logprobs, num_logprobs, token_text),
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "finish_reason": c.finish_reason,
+                "logprobs": None if num_logprobs is None else chat_logprobs(c.logprobs, num_logprobs, token_text),
             }
+            for c in choices
         ],
-        "usage": usage([choice]),
+        "usage": usage(choices),
     }
 
 

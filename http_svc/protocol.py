@@ -4,7 +4,7 @@ stop_token_ids, skip_special_tokens). A body that does not validate gets 400 (ap
 answers, not FastAPI's 422.
 
 Unknown fields are accepted and ignored (the official clients send fields such as `user`);
-fields whose meaning the engine cannot honour (n > 1, best_of > 1, echo, suffix, tools, a
+fields whose meaning the engine cannot honour (best_of > 1, echo, suffix, tools, a
 logit_bias, a JSON response format) are refused with 400 by `unsupported`, never silently
 dropped.
 """
@@ -38,7 +38,7 @@ class SamplingFields(OpenAIBody):
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=INT32_MAX)  # completions per prompt (the scheduler caps it: max_n)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -54,8 +54,6 @@ class SamplingFields(OpenAIBody):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a field whose meaning the engine cannot honour, else None."""
-        if self.n != 1:
-            return "n", "n > 1 is not supported (the engine has no parallel sampling yet); send n requests"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
         return None
@@ -63,7 +61,8 @@ class SamplingFields(OpenAIBody):
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: a text, a list of texts, token ids, or a list of
-    token-id lists; each prompt is one choice (index in order)."""
+    token-id lists; each prompt gives n choices, completion j of prompt i at index i * n + j
+    (as OpenAI and vLLM number them)."""
 
     prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

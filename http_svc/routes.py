@@ -1,7 +1,8 @@
 """The endpoints: /v1/models, /v1/completions, /v1/chat/completions, /health.
 
 Each API call: the gateway must be ready (503), the model must be the one served (404), no
-unsupported field (400); then one scheduler stream per prompt, answered whole or as SSE.
+unsupported field (400); then one scheduler stream per prompt, answered whole or as SSE. A
+stream's message of completion j (GenerateResponse.index) of prompt i is choice i * n + j.
 """
 
 from __future__ import annotations
@@ -57,8 +58,10 @@ async def _run(request: Request, backend: SchedulerBackend, requests: list, body
     try:
         if body.stream:
             return stream.event_stream(events(await stream.first_then_rest(request, messages)))
-        choices = [convert.Choice(i) for i in range(len(requests))]
-        await stream.until_disconnect(request, stream.collect(messages, lambda i, m: choices[i].add(m)))
+        choices = [convert.Choice(i) for i in range(len(requests) * body.n)]
+        await stream.until_disconnect(
+            request, stream.collect(messages, lambda i, m: choices[i * body.n + m.index].add(m))
+        )
         return JSONResponse(whole(choices))
     except grpc.RpcError as err:
         raise from_rpc(err) from None
@@ -87,10 +90,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     n_logprobs = body.logprobs
 
     async def events(messages: AsyncIterator[stream.Tagged]) -> AsyncIterator[str]:
-        choices = [convert.Choice(i) for i in range(len(prompts))]
-        offsets = [0] * len(prompts)
+        choices = [convert.Choice(i) for i in range(len(prompts) * body.n)]
+        offsets = [0] * len(choices)
         head = convert.envelope(request_id, "text_completion", model, created)
-        async for index, m in messages:
+        async for prompt_index, m in messages:
+            index = prompt_index * body.n + m.index
             choices[index].add(m)
             if not (m.text or m.logprobs or m.finish_reason):
                 continue
@@ -143,19 +147,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     model, created, token_text = serving.model_name, int(time.time()), serving.tokenizer.token_text
 
     async def events(messages: AsyncIterator[stream.Tagged]) -> AsyncIterator[str]:
-        choice = convert.Choice(0)
+        choices = [convert.Choice(i) for i in range(body.n)]
         head = convert.envelope(request_id, "chat.completion.chunk", model, created)
         tail = {"usage": None} if _include_usage(body) else {}
+        role = {"role": "assistant", "content": ""}
         yield stream.sse(
             {
                 **head,
                 "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    {"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(body.n)
                 ],
                 **tail,
             }
         )
         async for _, m in messages:
+            choice = choices[m.index]
             choice.add(m)
             if not (m.text or m.logprobs or m.finish_reason):
                 continue
@@ -164,12 +170,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             yield stream.sse(
                 {
                     **head,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": choice.finish_reason}],
+                    "choices": [
+                        {"index": m.index, "delta": delta, "logprobs": lp, "finish_reason": choice.finish_reason}
+                    ],
                     **tail,
                 }
             )
         if _include_usage(body):
-            yield stream.sse({**head, "choices": [], "usage": convert.usage([choice])})
+            yield stream.sse({**head, "choices": [], "usage": convert.usage(choices)})
         yield stream.DONE
 
     return await _run(
@@ -178,7 +186,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         [convert.generate_request(request_id, prompt, sampling)],
         body,
         events,
-        lambda choices: convert.chat_response(request_id, model, choices[0], n_logprobs, token_text),
+        lambda choices: convert.chat_response(request_id, model, choices, n_logprobs, token_text),
     )
 
 

@@ -108,7 +108,10 @@ class Client:
 
     def complete(self, prompt: str | list[int], **kwargs: Any) -> tuple[str, list[int], pb.GenerateResponse]:
         """The whole completion: (text, token ids, last message). Keywords as `generate`'s;
-        sampling left out takes the server's defaults (temperature 1.0, as vLLM's)."""
+        sampling left out takes the server's defaults (temperature 1.0, as vLLM's). One
+        completion only: generate() streams those of n > 1, each message with its index."""
+        if kwargs.get("n") not in (None, 1):
+            raise ValueError("complete() returns one completion; use generate() for n > 1")
         text, ids, last = [], [], None
         for last in self.generate(prompt, **kwargs):
             text.append(last.text)

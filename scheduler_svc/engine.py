@@ -9,6 +9,10 @@ admission (RequestLimits, the vocabulary, max_model_len); an error in one reques
 checks, detokenization or logprobs ends that request only; a model step that raises ends the
 request it names (SequenceFailed), or else the requests of that step, and the others are
 recomputed. A failed request's last output has finish_reason "abort" and `error` set.
+
+A request of n > 1 completions (scheduler_svc.request) is one request to the caller: one
+RequestOutput per step with every completion, one abort for all, and a failure of any of
+its sequences fails it whole. Each completion (child) has its own text stream.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from scheduler_svc.config import EngineConfig
 from scheduler_svc.detokenizer import Detokenizers
 from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.prompt_ids import checked_ids, is_token
-from scheduler_svc.request import Request
+from scheduler_svc.request import Request, child_seq_id
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from scheduler_svc.streams import Stream, stream_output
+from scheduler_svc.streams import Stream, failed_output, group_output, stream_output
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +148,8 @@ class LLMEngine:
     ) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        seq_ids = [request_id] + [child_seq_id(request_id, i) for i in range(params.n if params.n > 1 else 0)]
+        if any(seq_id in self.requests or seq_id in self._streams for seq_id in seq_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.check_request(prompt, params)
         token_ids, token_bytes = self._prompt_tokens(prompt)
@@ -156,9 +161,10 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, self.eos_token_ids, cache_salt, prompt_bytes=token_bytes)
         self.scheduler.add(req)
         self.requests[request_id] = req
-        self._streams[request_id] = Stream(
-            prompt if isinstance(prompt, str) else None, self._detok.start(len(token_ids))
-        )
+        for seq in req.completions:  # keyed by sequence id
+            self._streams[seq.request_id] = Stream(
+                prompt if isinstance(prompt, str) else None, self._detok.start(len(token_ids))
+            )
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -277,6 +283,7 @@ class LLMEngine:
         sampled = {t.seq_id: t for t in result.sampled}
         outputs: list[RequestOutput] = []
         reqs: list[Request] = []
+        groups: dict[str, Request] = {}  # parents of the completions that got a token: one output each
         now = time.monotonic()
         for req, seq in sched.scheduled():
             if not seq.sample or req.finished:
@@ -286,10 +293,13 @@ class LLMEngine:
                 reqs.append(req)
             except Exception as exc:  # noqa: BLE001 - this request's own phases: it fails alone
                 outputs.append(self._failed_processing(req, exc))
+        reqs = [req for req in reqs if not req.finished]  # a sibling's failure ends its whole request
         streams = [self._streams[req.request_id].detok for req in reqs]
         skip = [req.sampling.skip_special_tokens for req in reqs]
         errors = self._detok.step(streams, [req.token_ids for req in reqs], skip)
         for req, error in zip(reqs, errors):
+            if req.finished:  # failed with a sibling just now
+                continue
             try:
                 if error is not None:
                     raise error
@@ -298,6 +308,11 @@ class LLMEngine:
                 out = self._failed_processing(req, exc)
             if out is not None:
                 outputs.append(out)
+            elif req.parent is not None:
+                groups[req.parent.request_id] = req.parent
+        for parent in groups.values():
+            if parent.request_id in self.requests and (self.stream_outputs or parent.finished):
+                outputs.append(cast(RequestOutput, self._output(parent)))
         return outputs
 
     def _failed_processing(self, req: Request, exc: Exception) -> RequestOutput:
@@ -315,11 +330,9 @@ class LLMEngine:
     def _process_one(self, req: Request) -> RequestOutput | None:
         """One request's detokenized token: its stop checks, its output."""
         self._check_stop(req)
-        if not (self.stream_outputs or req.finished):
-            return None
-        # In "delta" mode (the engine process, whose reader takes both forms) a running request's
-        # output is its wire tuple; every other caller gets RequestOutputs.
-        return cast(RequestOutput, self._output(req))
+        if req.parent is not None or not (self.stream_outputs or req.finished):
+            return None  # a completion's output is its parent's (made once per step by _process)
+        return cast(RequestOutput, self._output(req))  # "delta" mode (engine_core): maybe its wire tuple
 
     def _check_stop(self, req: Request) -> None:
         params, detok = req.sampling, self._streams[req.request_id].detok
@@ -339,23 +352,17 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- failures
     def _fail(self, req: Request, error: Exception) -> RequestOutput:
-        """End one request with `error` (its blocks freed); its last output, finish_reason
-        "abort" and `error` set, without the text still held back."""
+        """End one request with `error` (its blocks freed; a completion's: its whole request's);
+        its last output, finish_reason "abort" and `error` set, without the text still held back."""
+        req = req.parent or req
         self.scheduler.finish(req, "abort")
-        stream = self._streams.pop(req.request_id, None)
-        self.requests.pop(req.request_id, None)
-        text = stream.detok.text[: stream.emitted_text] if stream is not None else ""
-        return RequestOutput(
-            req.request_id,
-            stream.prompt if stream is not None else None,
-            req.prompt_token_ids,
-            req.output_token_ids,
-            text,
-            "abort",
-            True,
-            num_cached_tokens=req.num_cached_tokens,
-            error=error,
-        )
+        out = failed_output(req, self._streams, error)
+        self._forget(req)
+        return out
+
+    def _fail_each(self, failures: list[tuple[Request, Exception]]) -> list[RequestOutput]:
+        """_fail for each sequence; a request of several completions fails once."""
+        return [self._fail(r, e) for r, e in failures if not (r.parent or r).finished]
 
     def _contain(self, exc: Exception) -> list[RequestOutput]:
         """A model step raised. The request it names fails alone (SequenceFailed); when it
@@ -374,9 +381,9 @@ class LLMEngine:
         )
         # The failed step's sequences to forget may not have reached the model: send them again.
         self.scheduler.pending_finished.extend(sched.step.finished)
-        outputs = [
-            self._fail(r, RequestFailed(f"request {r.request_id} failed in a model step: {exc}")) for r in culprits
-        ]
+        outputs = self._fail_each(
+            [(r, RequestFailed(f"request {r.request_id} failed in a model step: {exc}")) for r in culprits]
+        )
         self.scheduler.recompute_all()
         return outputs
 
@@ -392,16 +399,13 @@ class LLMEngine:
         stuck = [r for r in self.scheduler.waiting if self.scheduler.kv.num_blocks_for(r.num_tokens + 1) > pool]
         if not stuck:
             raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
-        return [
-            self._fail(
-                r,
-                OutOfRange(
-                    f"request {r.request_id} has {r.num_tokens} tokens; the KV cache holds at most "
-                    f"{pool * self.scheduler.kv.block_size - 1} (max_model_len {self.max_model_len})"
-                ),
-            )
-            for r in stuck
-        ]
+        limit = f"{pool * self.scheduler.kv.block_size - 1} (max_model_len {self.max_model_len})"
+        return self._fail_each(
+            [
+                (r, OutOfRange(f"request {r.request_id} has {r.num_tokens} tokens; the KV cache holds at most {limit}"))
+                for r in stuck
+            ]
+        )
 
     def set_max_model_len(self, max_model_len: int) -> list[RequestOutput]:
         """A new limit (the device pool changed size): requests that no longer fit in it fail
@@ -409,25 +413,34 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.scheduler.config = dataclasses.replace(self.scheduler.config, max_model_len=max_model_len)
         unfinished = [*self.scheduler.running, *self.scheduler.swapped, *self.scheduler.waiting]
-        return [
-            self._fail(
-                r,
-                OutOfRange(
-                    f"request {r.request_id} has {r.num_tokens} tokens; after the model service "
-                    f"restarted the limit is {max_model_len - 1} (max_model_len {max_model_len})"
-                ),
-            )
-            for r in unfinished
-            if r.num_tokens >= max_model_len
-        ]
+        limit = f"{max_model_len - 1} (max_model_len {max_model_len})"
+        return self._fail_each(
+            [
+                (
+                    r,
+                    OutOfRange(
+                        f"request {r.request_id} has {r.num_tokens} tokens; after the model service "
+                        f"restarted the limit is {limit}"
+                    ),
+                )
+                for r in unfinished
+                if r.num_tokens >= max_model_len
+            ]
+        )
 
     def _output(self, req: Request) -> RequestOutput | tuple:
-        stream = self._streams[req.request_id]
-        out = stream_output(req, stream, self.stream_outputs)
+        if req.children:
+            out: RequestOutput | tuple = group_output(req, self._streams)
+        else:
+            out = stream_output(req, self._streams[req.request_id], self.stream_outputs)
         if req.finished:
-            self.requests.pop(req.request_id, None)
-            self._streams.pop(req.request_id, None)
+            self._forget(req)
         return out
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        for seq in req.completions:
+            self._streams.pop(seq.request_id, None)
 
 
 def _finished(launched: Any) -> bool:

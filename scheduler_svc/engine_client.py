@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 # (token ids, text, logprobs or None, the final delta or None) taken from an OutputStream.
 Chunk = tuple[list[int], str, list | None, tuple | None]
+# n > 1: one completion's part of a take, (index, token ids, text, logprobs or None, finish
+# reason or None, stop reason or None).
+CompletionChunk = tuple[int, list[int], str, list | None, str | None, int | str | None]
 
 
 class EngineGone(Unavailable):
@@ -42,7 +45,7 @@ class EngineGone(Unavailable):
 class OutputStream:
     """One request's output not yet taken by its handler: the deltas since, merged in order."""
 
-    __slots__ = ("token_ids", "text", "logprobs", "final", "error", "waiter")
+    __slots__ = ("token_ids", "text", "logprobs", "final", "error", "waiter", "completions")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
@@ -51,8 +54,19 @@ class OutputStream:
         self.final: tuple | None = None  # the last delta (finish reason, usage), once it came
         self.error: BaseException | None = None
         self.waiter: asyncio.Future | None = None  # set while the handler waits for output
+        self.completions: dict[int, list] = {}  # n > 1: index -> [ids, text, logprobs, finish, stop] not taken
 
     def put(self, delta: tuple) -> None:
+        if len(delta) == 7:  # a completion of n > 1
+            entry = self.completions.setdefault(delta[4], [[], "", None, None, None])
+            entry[0] += delta[1]
+            entry[1] += delta[2]
+            if delta[3] is not None:
+                entry[2] = (entry[2] or []) + delta[3]
+            if delta[5] is not None:
+                entry[3], entry[4] = delta[5], delta[6]
+            self._wake()
+            return
         self.token_ids += delta[1]
         if delta[2]:
             self.text += delta[2]
@@ -78,7 +92,21 @@ class OutputStream:
     async def take(self) -> Chunk:
         """Everything since the last take, waiting until there is something; raises the
         request's error (an admission error, a failed step, or one given to fail())."""
-        while not (self.token_ids or self.text or self.final is not None or self.error is not None):
+        await self._wait()
+        chunk = (self.token_ids, self.text, self.logprobs, self.final)
+        self.token_ids, self.text, self.logprobs = [], "", None
+        return chunk
+
+    async def take_completions(self) -> tuple[list[CompletionChunk], tuple | None]:
+        """take() of a request of n > 1: each completion's part since the last take, in index
+        order, and the final delta or None."""
+        await self._wait()
+        chunks = [(i, *self.completions[i]) for i in sorted(self.completions)]
+        self.completions = {}
+        return chunks, self.final
+
+    async def _wait(self) -> None:
+        while not (self.token_ids or self.text or self.completions or self.final is not None or self.error is not None):
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
@@ -86,9 +114,6 @@ class OutputStream:
                 self.waiter = None
         if self.error is not None:
             raise self.error
-        chunk = (self.token_ids, self.text, self.logprobs, self.final)
-        self.token_ids, self.text, self.logprobs = [], "", None
-        return chunk
 
 
 class EngineClient:

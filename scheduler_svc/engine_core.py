@@ -31,7 +31,7 @@ import threading
 from typing import Any
 
 from scheduler_svc.engine_wire import EngineInfo, EngineStats, encode, pack_error, split_frames
-from scheduler_svc.outputs import RequestOutput
+from scheduler_svc.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def engine_stats(engine: Any) -> EngineStats:
     )
 
 
-def _logprobs(out: RequestOutput) -> list | None:
+def _logprobs(out: RequestOutput | CompletionOutput) -> list | None:
     if out.logprobs is None or not out.delta_token_ids:
         return None
     entries = out.logprobs[-len(out.delta_token_ids) :]
@@ -168,6 +168,7 @@ class EngineCore:
         self.stopped = False
         self._deadlines: dict[str, float] = getattr(engine, "deadlines", {})  # ServiceEngine bounds its calls with them
         self._info_key: tuple | None = None
+        self._reported: dict[str, set[int]] = {}  # n > 1: completions whose finish reason went out
 
     def run(self) -> None:
         """Step until told to stop or the front end goes away."""
@@ -203,7 +204,7 @@ class EngineCore:
                 elif cmd[0] == "abort":
                     out = self.engine.abort(cmd[1])
                     if out is not None:
-                        deltas.append(self._delta(out))
+                        deltas += self._deltas(out)
                 elif cmd[0] == "stop":
                     self.stopped = True
         return deltas
@@ -224,36 +225,66 @@ class EngineCore:
             outputs = self.engine.step()
         except Exception as exc:  # a broken step fails every open request, not the loop
             logger.exception("an engine step failed; failing its %d open requests", len(self.open))
-            deltas = []
+            deltas: list[tuple] = []
             for request_id in list(self.open):
                 self.engine.abort(request_id)
                 self._closed(request_id)
                 deltas.append(_final(request_id, exc))
             return deltas
-        return [self._delta(out) for out in outputs]
+        deltas = []
+        for out in outputs:
+            if isinstance(out, tuple):  # a running request's delta, already in the wire's form (stream_outputs "delta")
+                deltas.append(out)
+            else:
+                deltas += self._deltas(out)
+        return deltas
 
-    def _delta(self, out: RequestOutput | tuple) -> tuple:
-        if isinstance(out, tuple):  # a running request's delta, already in the wire's form (stream_outputs "delta")
-            return out
-        lp = None if out.logprobs is None else _logprobs(out)
+    def _deltas(self, out: RequestOutput) -> list[tuple]:
+        """The wire deltas of one output: one for a request of one completion; for n > 1 one
+        per completion that changed (its finish reason once), then the final one."""
+        if out.completions is None:
+            deltas = [] if out.finished else [(out.request_id, out.delta_token_ids, out.delta_text, _logprobs(out))]
+        else:
+            deltas = self._completion_deltas(out)
         if not out.finished:
-            return (out.request_id, out.delta_token_ids, out.delta_text, lp)
+            return deltas
         self._closed(out.request_id)
-        return (
+        ids, text, lp = (
+            (out.delta_token_ids, out.delta_text, _logprobs(out)) if out.completions is None else ([], "", None)
+        )
+        final = (
             out.request_id,
-            out.delta_token_ids,
-            out.delta_text,
+            ids,
+            text,
             lp,
             out.finish_reason,
             out.stop_reason,
             len(out.prompt_token_ids),
-            len(out.token_ids),
+            sum(len(c.token_ids) for c in out.outputs),
             out.num_cached_tokens,
             None if out.error is None else pack_error(out.error),
         )
+        return [*deltas, final]
+
+    def _completion_deltas(self, out: RequestOutput) -> list[tuple]:
+        done = self._reported.setdefault(out.request_id, set())
+        deltas = []
+        for c in out.outputs:
+            ends = c.finish_reason is not None and c.index not in done
+            if c.delta_token_ids or c.delta_text or ends:
+                deltas.append(
+                    (out.request_id, c.delta_token_ids, c.delta_text, _logprobs(c), c.index)
+                    + ((c.finish_reason, c.stop_reason) if ends else (None, None))
+                )
+                if ends:
+                    done.add(c.index)
+        if out.finished:
+            del self._reported[out.request_id]
+        return deltas
 
     def _closed(self, request_id: str) -> None:
         self.open.discard(request_id)
+        self._reported.pop(request_id, None)
         self._deadlines.pop(request_id, None)
 
 

@@ -19,9 +19,14 @@ Engine -> front end:
 A delta is a tuple, one per request that produced something in the step (tuples pickle and
 unpickle at C speed; a step of 256 requests is one frame):
 
-    running:  (request_id, token_ids, text, logprobs)
-    final:    (request_id, token_ids, text, logprobs, finish_reason, stop_reason,
-               num_prompt_tokens, num_output_tokens, num_cached_tokens, packed error or None)
+    running:    (request_id, token_ids, text, logprobs)
+    completion: (request_id, token_ids, text, logprobs, index, finish_reason, stop_reason)
+    final:      (request_id, token_ids, text, logprobs, finish_reason, stop_reason,
+                 num_prompt_tokens, num_output_tokens, num_cached_tokens, packed error or None)
+
+A request of n > 1 completions sends completion deltas only (finish_reason and stop_reason
+None but in the one that ends that completion), then a final one with no tokens whose
+num_output_tokens counts every completion's.
 
 `logprobs` is None or, per token of `token_ids`, (token_id, logprob, [(token_id, logprob), ...]).
 Errors travel as their class names (most derived first) and message, and come back as the

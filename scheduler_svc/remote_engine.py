@@ -245,7 +245,8 @@ class ServiceEngine(LLMEngine):
     def _timeout(self, sched: SchedulerOutput) -> float | None:
         """The time left of the latest client deadline among the step's requests (None when
         one of them has none): the internal calls may not take longer than that."""
-        deadlines = [self.deadlines.get(seq.seq_id) for seq in sched.step.seqs]  # the front end edits the dict
+        # The front end edits the dict; a completion of n > 1 has its request's deadline.
+        deadlines = [self.deadlines.get((req.parent or req).request_id) for req, _ in sched.scheduled()]
         known = [d for d in deadlines if d is not None]
         if not known or len(known) < len(deadlines):
             return None
@@ -330,6 +331,7 @@ def build_service_engine(config: Any, skip_tokenizer_init: bool = False, token: 
     engine = ServiceEngine(engine_config, model, kv, None if skip_tokenizer_init else load_tokenizer(config.tokenizer))
     engine.limits = RequestLimits(
         max_logprobs=s.max_logprobs,
+        max_n=s.max_n,
         max_stop_strings=s.max_stop_strings,
         max_stop_chars=s.max_stop_chars,
         max_prompt_chars=s.max_prompt_chars,

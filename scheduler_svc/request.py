@@ -1,4 +1,12 @@
-"""A request's state as the scheduler sees it."""
+"""A request's state as the scheduler sees it.
+
+A request of n > 1 completions (parallel sampling) is a parent with n children, made when it
+is added. The parent's own sequence prefills the prompt but its last token; then the
+scheduler forks it: each child shares the parent's blocks by reference, feeds the last
+prompt token itself and samples its first token with its own parameters
+(SamplingParams.child), and the parent's sequence is dropped. The request is finished when
+every child is.
+"""
 
 from __future__ import annotations
 
@@ -40,10 +48,38 @@ class Request:
     # The prompt as int64 bytes, made by add_request's check of given ids, for the prefix-cache
     # lookup of its first admission (None: the lookup converts the tokens itself).
     prompt_bytes: bytes | None = None
+    index: int = 0  # the completion a child is (0 for a request of one completion)
+    parent: Request | None = None  # a child's parent request
+    children: list[Request] = field(default_factory=list)  # n > 1: the completions, in index order
+    forked: bool = False  # a parent whose children run (its own sequence is gone)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        n = self.sampling.n
+        if n > 1 and not self.children:
+            self.children = [
+                Request(
+                    child_seq_id(self.request_id, i),
+                    self.prompt_token_ids,
+                    self.sampling.child(i),
+                    self.eos_token_ids,
+                    self.cache_salt,
+                    self.arrival_time,
+                    index=i,
+                    parent=self,
+                )
+                for i in range(n)
+            ]
+
+    @property
+    def feed_end(self) -> int:
+        """The position up to which this sequence can be fed now: everything known and pending,
+        or for a parent before its fork the prompt but its last token (each child feeds that
+        one itself, to sample its own first token)."""
+        if self.children:
+            return self.num_prompt_tokens - 1
+        return self.num_tokens + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,3 +100,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def completions(self) -> list[Request]:
+        """The sequences that generate: the children, or the request itself."""
+        return self.children or [self]
+
+
+def child_seq_id(request_id: str, index: int) -> str:
+    """The sequence id of completion `index` of a parallel-sampling request."""
+    return f"{request_id}#{index}"

@@ -10,6 +10,14 @@ host pool or by dropping its blocks to recompute later (the fallback when the ho
 full). Swapped requests come back before any new request is admitted; new requests are
 admitted first-come-first-served with their longest cached prefix, chunked to the token
 budget of the step.
+
+Parallel sampling (n > 1, scheduler_svc.request): the parent is scheduled like any request
+until its prompt but the last token is computed; then `_fork` gives each child the parent's
+blocks by reference and puts the children in the parent's place. A child's first write into
+the shared partial last block copies it (copy-on-write, in the step's `copies`), so of n
+children the first n - 1 to write copy it once each and the last one keeps the original.
+Children beyond max_num_seqs start alone instead, first in the waiting queue (their prompt
+blocks come from the prefix cache, where the parent registered them).
 """
 
 from __future__ import annotations
@@ -96,14 +104,24 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens needs {needed} blocks; "
                 f"the device pool has {self.kv.device.num_blocks}"
             )
+        if request.children and request.feed_end == 0:  # nothing to prefill: the children start alone
+            request.forked, request.status = True, RequestStatus.RUNNING
+            self.waiting.extend(request.children)
+            return
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
     def finish(self, request: Request, reason: str) -> None:
-        """Stop a request in any state and release its blocks."""
+        """Stop a request in any state and release its blocks (a parent's: every child's). A
+        parent finishes with its last child."""
         if request.finished:
+            return
+        if request.forked:
+            for child in request.children:
+                self.finish(child, reason)
+            request.status, request.finish_reason = RequestStatus.FINISHED, reason
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
@@ -116,6 +134,11 @@ class Scheduler:
         if request.sent_sampling:
             self.pending_finished.append(request.request_id)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        for child in request.children:  # a parent stopped before its fork: its children never ran
+            child.status, child.finish_reason = RequestStatus.FINISHED, reason
+        parent = request.parent
+        if parent is not None and not parent.finished and all(c.finished for c in parent.children):
+            parent.status, parent.finish_reason = RequestStatus.FINISHED, parent.children[0].finish_reason
 
     # ----------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
@@ -129,7 +152,7 @@ class Scheduler:
             if req.num_pending and self._finishes_by_length(req):
                 i += 1  # its pending token is its last: it finishes when that is read back
                 continue
-            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            num_new = min(req.feed_end - req.num_computed_tokens, budget)
             while True:
                 result = self.kv.append_slots(req.request_id, req.num_computed_tokens, num_new)
                 if not isinstance(result, NoFreeBlocks):
@@ -221,7 +244,7 @@ class Scheduler:
             num_blocks = len(self.kv.block_table(req.request_id))
             # Room for the blocks and for what this step writes (a decode token, or the rest of a
             # prompt that was preempted part-way through its prefill), so it can run now.
-            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            num_new = min(req.feed_end - req.num_computed_tokens, budget)
             grow = max(0, self.kv.num_blocks_for(req.num_computed_tokens + num_new) - num_blocks)
             if num_blocks + grow > self.kv.num_free_blocks(Tier.DEVICE):
                 break
@@ -247,7 +270,9 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and req.num_tokens > budget:
                 break
             token_bytes = req.prompt_bytes if req.num_tokens == req.num_prompt_tokens else None
-            result = self.kv.allocate(req.request_id, req.token_ids, budget, req.cache_salt, token_bytes)
+            # A parent prefills its prompt but the last token (feed_end).
+            tokens = req.token_ids[: req.feed_end] if req.children else req.token_ids
+            result = self.kv.allocate(req.request_id, tokens, budget, req.cache_salt, token_bytes)
             if isinstance(result, NoFreeBlocks):
                 break  # first come, first served: later requests wait too
             self.waiting.popleft()
@@ -288,3 +313,24 @@ class Scheduler:
             req.num_computed_tokens += len(seq.token_ids)
             # Steps still in flight may have fed tokens not read back yet: only known tokens hash.
             self.kv.cache_blocks(req.request_id, req.token_ids, min(req.num_computed_tokens, req.num_tokens))
+            if req.children and not req.forked and req.num_computed_tokens >= req.feed_end:
+                self._fork(req)
+
+    def _fork(self, parent: Request) -> None:
+        """The parent's prompt but its last token is in the cache: each child (as many as
+        max_num_seqs has room for) takes the parent's blocks by reference and its place in the
+        running queue; the parent's own sequence goes (the children hold the blocks)."""
+        room = self.config.max_num_seqs - len(self.running) + 1  # the parent's place is one
+        forked, later = parent.children[:room], parent.children[room:]
+        for child in forked:
+            self.kv.fork(parent.request_id, child.request_id)
+            child.num_computed_tokens, child.status = parent.num_computed_tokens, RequestStatus.RUNNING
+        for child in parent.children:
+            child.num_cached_tokens = parent.num_cached_tokens
+        self.kv.free(parent.request_id)
+        at = self.running.index(parent)
+        self.running[at : at + 1] = forked
+        self.waiting.extendleft(reversed(later))
+        parent.forked = True
+        if parent.sent_sampling:
+            self.pending_finished.append(parent.request_id)

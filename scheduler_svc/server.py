@@ -46,15 +46,15 @@ from contracts.sampling_params import RequestLimits, SamplingParams
 from contracts.service_config import SchedulerSection, ServiceConfig
 from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.engine_client import Chunk, EngineClient, OutputStream
+from scheduler_svc.engine_client import EngineClient, OutputStream
 from scheduler_svc.engine_wire import EngineInfo
+from scheduler_svc.generate_messages import next_messages
 from scheduler_svc.metrics import SchedulerMetrics, StreamTimer
 from scheduler_svc.peer_health import PeerMonitor
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SchedulerService"].full_name
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 _SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -67,6 +67,7 @@ _SAMPLING_FIELDS = (
     "frequency_penalty",
     "logprobs",
     "skip_special_tokens",
+    "n",
 )
 # Ids travel with every step of a request (the request id is the sequence id on the internal wire).
 MAX_REQUEST_ID_CHARS = 256
@@ -101,28 +102,6 @@ def generate_from_pb(
     prompt: str | list[int] = m.text if kind == "text" else list(m.token_ids.ids)
     params = sampling_from_pb(m.sampling) if m.HasField("sampling") else SamplingParams()
     return prompt, params, m.request_id or uuid.uuid4().hex, m.cache_salt or None
-
-
-def chunk_to_pb(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
-    """One message: every token (and text, logprobs) the stream had gathered; the last one
-    also the finish reason, the stop reason and the token counts."""
-    token_ids, text, logprobs, final = chunk
-    m = pb.GenerateResponse(request_id=request_id, token_ids=token_ids, text=text)
-    for token_id, logprob, top in logprobs or ():
-        m.logprobs.append(
-            pb.GeneratedTokenLogprobs(
-                token_id=token_id, logprob=logprob, top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top]
-            )
-        )
-    if final is not None:
-        _, _, _, _, reason, stop_reason, num_prompt, num_output, num_cached, _ = final
-        m.finish_reason = _FINISH.get(reason or "", pb.FINISH_REASON_UNSPECIFIED)
-        if isinstance(stop_reason, str):
-            m.stop_string = stop_reason
-        elif isinstance(stop_reason, int):
-            m.stop_token_id = stop_reason
-        m.usage.CopyFrom(pb.Usage(prompt_tokens=num_prompt, completion_tokens=num_output, cached_tokens=num_cached))
-    return m
 
 
 def model_info_to_pb(info: EngineInfo) -> pb.GetModelInfoResponse:
@@ -216,14 +195,15 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             stream = llm.open(token_ids, params, request_id, salt, deadline)
             self._watch(request_id, stream, deadline)
             while True:
-                chunk = await stream.take()  # every token since the last message; raises the request's error
-                final = chunk[3]
+                # Every token since the last message; raises the request's error.
+                messages, final, num_tokens = await next_messages(stream, request_id, params.n)
                 now = time.monotonic()
-                timer.on_output(now, len(chunk[0]))
+                timer.on_output(now, num_tokens)
                 if final is not None:
                     ended = ""
                     timer.on_finish(now, final[6], final[4])
-                yield chunk_to_pb(request_id, chunk)
+                for message in messages:
+                    yield message
                 if final is not None:
                     return
                 if self.send_interval_s:

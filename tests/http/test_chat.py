@@ -1,7 +1,7 @@
 """/v1/chat/completions through the official openai client, sync and async, against `serve all`
 with a tiny random Qwen3 and the real Qwen2 tokenizer: the messages go through the ChatML
 template, streamed text == whole text == the gRPC Generate text of the same rendered prompt;
-usage, logprobs; and 64 streaming chats at once all complete."""
+usage, logprobs; n choices; and 64 streaming chats at once all complete."""
 
 from __future__ import annotations
 
@@ -135,3 +135,21 @@ def test_chat_template_flag_gives_chat_to_a_model_without_one(bundled, tmp_path)
         assert reply.choices[0].message.content and reply.usage.completion_tokens == 12
     finally:
         gateway.kill()
+
+
+def test_chat_n_choices_whole_and_streamed(qwen):
+    client = qwen.openai()
+    one = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, **GREEDY)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert all(c.message.content == one.choices[0].message.content for c in whole.choices)
+    assert whole.usage.completion_tokens == 2 * one.usage.completion_tokens
+    assert whole.usage.prompt_tokens == one.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, stream=True, **GREEDY))
+    texts, roles = ["", ""], set()
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.delta.role:
+                roles.add(choice.index)
+    assert roles == {0, 1} and texts == [one.choices[0].message.content] * 2

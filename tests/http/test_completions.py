@@ -1,6 +1,6 @@
 """/v1/completions and /v1/models through the official openai client, sync and async, against
 `picovllm serve all` with the bundled model: streamed text == whole text == the gRPC
-Generate text of the same greedy request, and the counts agree."""
+Generate text of the same greedy request, and the counts agree; n completions per prompt."""
 
 from __future__ import annotations
 
@@ -108,3 +108,30 @@ def test_health_and_metrics_need_no_key(bundled):
     assert raw(bundled, "GET", "/v1/models")[0] == 200
     assert 'picovllm_http_requests_total{method="POST",route="/v1/completions",status="200"}' in metrics
     assert "picovllm_http_request_duration_seconds_bucket" in metrics
+
+
+def test_n_completions_whole_and_streamed(bundled):
+    client = bundled.openai()
+    expected, prompt_tokens, n = grpc_text(bundled, PROMPT)
+    whole = client.completions.create(model="stories260k", prompt=[PROMPT, PROMPT], n=3, **GREEDY)
+    assert [c.index for c in whole.choices] == list(range(6))  # completion j of prompt i: i * 3 + j
+    assert all(c.text == expected and c.finish_reason == "length" for c in whole.choices)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (2 * prompt_tokens, 6 * n)
+    stream = client.completions.create(
+        model="stories260k", prompt=PROMPT, n=2, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    texts, reasons, chunks = ["", ""], [None, None], list(stream)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert texts == [expected, expected] and reasons == ["length", "length"]
+    assert chunks[-1].usage.completion_tokens == 2 * n and chunks[-1].usage.prompt_tokens == prompt_tokens
+    seeded = [
+        [
+            c.text
+            for c in client.completions.create(model="stories260k", prompt=PROMPT, n=4, seed=5, max_tokens=16).choices
+        ]
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1] and len(set(seeded[0])) > 1

@@ -1,5 +1,5 @@
 """Each failure gets OpenAI's error object with its HTTP status: 400 (a bad field, pydantic's
-validation included; unsupported n > 1; no chat template), 401, 404, 413 (by Content-Length
+validation included; unsupported best_of > 1; no chat template), 401, 404, 413 (by Content-Length
 and chunked), 429 (the scheduler's queue is full), 503 (the scheduler unreachable); and a
 client that leaves mid-stream or mid-wait leaves no KV-cache block in use."""
 
@@ -42,7 +42,8 @@ def test_400_for_a_bad_field_names_it(bundled, field, value):
 
 def test_400_for_what_the_engine_refuses_or_cannot_do(bundled):
     assert_error(raw(bundled, "POST", "/v1/completions", b"{not json"), 400, contains="not valid JSON")
-    assert_error(raw(bundled, "POST", "/v1/completions", {**BASE, "n": 2}), 400, "n", "not supported")
+    assert_error(raw(bundled, "POST", "/v1/completions", {**BASE, "best_of": 2}), 400, "best_of", "not supported")
+    assert_error(raw(bundled, "POST", "/v1/completions", {**BASE, "n": 500}), 400, contains="n: a count of 500")
     assert_error(
         raw(bundled, "POST", "/v1/completions", {**BASE, "prompt": [1, 10**6]}), 400
     )  # the scheduler's INVALID_ARGUMENT

@@ -2,7 +2,10 @@
 
 The driver plays scheduler and model service at once: it allocates prompts (in chunks),
 decodes, forks, frees, swaps out and in, and looks up prefixes in random order on small
-pools, so that NoFreeBlocks, eviction, copy-on-write and swapping happen all the time.
+pools, so that NoFreeBlocks, eviction, copy-on-write and swapping happen all the time. One
+op plays parallel sampling as the scheduler does it: fork k children of a sequence, free
+the parent, and let each child write its next position (the k - 1 first copy a shared
+partial block, the last one keeps it).
 
 The model keeps its own copy of every sequence (tokens, computed count, tier, block table)
 and of what every physical block holds. A slot's content is a fingerprint of what its KV
@@ -20,84 +23,14 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 
 import pytest
 
 from kvcache_svc import Allocated, Appended, KVCacheManager, NoFreeBlocks, Tier, hash_block
+from tests.kvcache.common import snapshot
+from tests.kvcache.fingerprints import Fingerprints, MSeq
 
 DEV, HOST = Tier.DEVICE, Tier.HOST
-
-
-def snapshot(mgr: KVCacheManager):
-    pools = {}
-    for tier, pool in mgr.pools.items():
-        pools[tier] = (
-            [(b.ref_count, b.block_hash, b.token_ids) for b in pool.blocks],
-            list(pool.free_ids),
-            list(pool.lru),
-            dict(pool.hash_to_block),
-            pool.num_evictions,
-        )
-    seqs = {
-        sid: (s.tier, list(s.block_ids), s.extra_key, s.num_hashed_blocks, s.last_hash) for sid, s in mgr.seqs.items()
-    }
-    return pools, seqs, mgr.num_prefix_queries, mgr.num_prefix_hits
-
-
-class Fingerprints:
-    """Interned ids for (salt, token prefix): id(p) = intern(id(p - 1), token p)."""
-
-    def __init__(self) -> None:
-        self.ids: dict[tuple, int] = {}
-        self.parent: list[int] = []
-        self.token: list[int | None] = []
-        self.salt: dict[int, str | None] = {}
-
-    def root(self, salt: str | None) -> int:
-        key = ("root", salt)
-        fid = self.ids.get(key)
-        if fid is None:
-            fid = self.ids[key] = len(self.token)
-            self.parent.append(-1)
-            self.token.append(None)
-            self.salt[fid] = salt
-        return fid
-
-    def next(self, prev: int, token: int) -> int:
-        key = (prev, token)
-        fid = self.ids.get(key)
-        if fid is None:
-            fid = self.ids[key] = len(self.token)
-            self.parent.append(prev)
-            self.token.append(token)
-        return fid
-
-    def of(self, salt: str | None, tokens: list[int]) -> list[int]:
-        out, prev = [], self.root(salt)
-        for t in tokens:
-            prev = self.next(prev, t)
-            out.append(prev)
-        return out
-
-    def prefix(self, fid: int) -> tuple[str | None, list[int]]:
-        """(salt, tokens) whose last fingerprint is fid."""
-        tokens = []
-        while self.token[fid] is not None:
-            tokens.append(self.token[fid])
-            fid = self.parent[fid]
-        return self.salt[fid], tokens[::-1]
-
-
-@dataclass
-class MSeq:
-    tokens: list[int]
-    fps: list[int]
-    salt: str | None
-    family: int
-    tier: Tier
-    table: list[int]
-    computed: int = 0
 
 
 class Driver:
@@ -271,10 +204,16 @@ class Driver:
         seq = self.pick(DEV)
         if seq is None:
             return self.op_allocate()
+        self.step(seq)
+
+    def step(self, seq: MSeq) -> Appended | None:
+        """One step of `seq`: a decode token, or a chunk of what it has left to compute. The
+        manager's answer, or None where nothing was written (NoFreeBlocks, or freed at max_len)."""
         sid = self.sid_of(seq)
         if seq.computed == len(seq.tokens):
             if len(seq.tokens) >= self.max_len:
-                return self.free(sid)
+                self.free(sid)
+                return None
             token = self.rng.randrange(self.alphabet)  # "sampled" from the last forward pass
             seq.tokens.append(token)
             seq.fps.append(self.fp.next(seq.fps[-1], token))
@@ -290,7 +229,7 @@ class Driver:
         if before is not None:
             self.expect_no_change(before, res, needed, available, DEV)
             self.count("append_nofree")
-            return
+            return None
         assert isinstance(res, Appended), res
         assert [i for i, _ in res.replaced] == shared
         assert res.copies == [(table[i], new) for i, new in res.replaced if i * bs < seq.computed]
@@ -316,6 +255,7 @@ class Driver:
         self.count("append")
         self.count("cow_copies", len(res.copies))
         self.count("cow_no_copy", len(res.replaced) - len(res.copies))
+        return res
 
     def op_cache(self) -> None:
         seq = self.pick(self.rng.choice((DEV, None)))
@@ -326,6 +266,9 @@ class Driver:
         parent = self.pick()
         if parent is None or len(self.seqs) >= self.max_seqs:
             return
+        self.fork(parent)
+
+    def fork(self, parent: MSeq) -> MSeq:
         sid = f"s{self.next_id}"
         self.next_id += 1
         self.mgr.fork(self.sid_of(parent), sid)
@@ -343,6 +286,30 @@ class Driver:
             self.inc(child.tier, b)
         assert self.mgr.block_table(sid) == child.table and self.mgr.tier(sid) == child.tier
         self.count("fork")
+        return child
+
+    def op_parallel(self) -> None:
+        """n > 1 sampling: k children of a device sequence take its place, then each writes
+        position `computed`. Of the h tables holding that block once the parent is gone, a
+        child copies (or, where nothing there is computed, replaces) it while another still
+        holds it: min(k, h - 1) of them do, so with no outside holder k - 1, once each."""
+        parent, k = self.pick(DEV), self.rng.randint(2, 4)
+        if parent is None or len(self.seqs) + k > self.max_seqs or len(parent.tokens) >= self.max_len:
+            return
+        kids = [self.fork(parent) for _ in range(k)]
+        self.free(self.sid_of(parent))
+        w = parent.computed // self.bs  # the block every child writes first
+        holders = self.mref[DEV].get(parent.table[w], 0) if w < len(parent.table) else 0
+        written = []
+        for kid in kids:
+            res = self.step(kid)
+            if res is None:  # short of blocks: the rest of the children wait (nothing to count)
+                return
+            written.append([i for i, _ in res.replaced if i == w])
+            assert res.copies == [] or parent.computed % self.bs, "a block with nothing computed is never copied"
+        assert sum(map(len, written)) == min(k, max(0, holders - 1)), (written, holders)
+        assert all(len(x) <= 1 for x in written), "a child copied the shared block twice"
+        self.count("parallel_cow", sum(map(len, written)))
 
     def op_free(self) -> None:
         seq = self.pick()
@@ -444,6 +411,7 @@ class Driver:
             (self.op_step, 40),
             (self.op_cache, 4),
             (self.op_fork, 5),
+            (self.op_parallel, 3),
             (self.op_free, 10),
             (lambda: self.op_swap(DEV), 8),
             (lambda: self.op_swap(HOST), 10),
@@ -473,6 +441,7 @@ class Driver:
 
 COVERED = (
     "allocate", "allocate_nofree", "append", "append_nofree", "cow_copies", "cow_no_copy", "fork", "free",
+    "parallel_cow",
     "swap_out", "swap_out_nofree", "swap_in", "swap_in_nofree", "match", "hits", "evictions",
 )  # fmt: skip
 

@@ -146,3 +146,23 @@ def test_output_stream_merges_deltas_until_taken():
             await failing.take()
 
     asyncio.run(main())
+
+
+def test_output_stream_merges_each_completion_of_n():
+    from scheduler_svc.engine_client import OutputStream
+
+    async def main() -> None:
+        s = OutputStream()
+        s.put(("r", [1], "a", None, 1, None, None))
+        s.put(("r", [7], "x", None, 0, None, None))
+        s.put(("r", [2], "b", [(2, -0.3, [])], 1, "stop", "b"))
+        assert await s.take_completions() == (
+            [(0, [7], "x", None, None, None), (1, [1, 2], "ab", [(2, -0.3, [])], "stop", "b")],
+            None,
+        )
+        s.put(("r", [8], "y", None, 0, "length", None))
+        final = ("r", [], "", None, "length", None, 3, 4, 0, None)
+        s.put(final)
+        assert await s.take_completions() == ([(0, [8], "y", None, "length", None)], final)
+
+    asyncio.run(main())

@@ -1,5 +1,6 @@
-"""`picovllm serve all`: the three services as processes on loopback from one command, and
-SIGTERM: new requests are refused, the in-flight one finishes, every process exits."""
+"""`picovllm serve all`: the three services as processes on loopback from one command, a
+request of one completion and one of two, and SIGTERM: new requests are refused, the
+in-flight one finishes, every process exits."""
 
 from __future__ import annotations
 
@@ -42,7 +43,11 @@ def test_serve_all_answers_then_drains_on_sigterm(tmp_path):
         wait_for(lambda: check_health(addr["scheduler"], timeout=0.5), 120, "serve all", proc.proc)
         with Client(addr["scheduler"], timeout=60) as c:
             text, ids, _ = c.complete("Once upon a time", temperature=0.0, max_tokens=8)
+            msgs = list(c.generate("Once upon a time", temperature=0.0, max_tokens=8, n=2))
         assert len(ids) == 8 and text
+        for index in (0, 1):  # parallel sampling: both completions stream, each the greedy one
+            assert [t for m in msgs if m.index == index for t in m.token_ids] == ids
+        assert msgs[-1].usage.completion_tokens == 16
 
         result: dict[str, object] = {}
         started = threading.Event()

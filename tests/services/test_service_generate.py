@@ -228,3 +228,38 @@ def test_deadline_shorter_than_the_work(stack):
     assert time.monotonic() - start < 5
     stack.wait_kv_clean()
     assert FINISH["length"] == pb.FINISH_REASON_LENGTH
+
+
+def _by_index(msgs) -> dict[int, tuple[list[int], str, int]]:
+    """Each completion's (token ids, text, finish reason) from a stream of n > 1."""
+    out: dict[int, tuple[list[int], str, int]] = {}
+    for m in msgs:
+        ids, text, reason = out.get(m.index, ([], "", 0))
+        out[m.index] = (ids + list(m.token_ids), text + m.text, m.finish_reason or reason)
+    return out
+
+
+def test_generate_n2_streams_both_indices(stack, embedded):
+    prompt = PROMPTS[3]  # longer than a block: the children share full blocks and a partial one
+    (want,) = embedded([prompt], **GREEDY)
+    with stack.client() as c:
+        msgs = list(c.generate(prompt, n=2, **GREEDY))
+    assert {m.index for m in msgs} == {0, 1}
+    assert _by_index(msgs) == {0: want, 1: want}
+    assert msgs[-1].usage.completion_tokens == 2 * len(want[0])
+    assert sum(m.usage.prompt_tokens > 0 for m in msgs) == 1  # the usage comes once, last
+    with stack.client() as c:  # seeded sampling: the same completions again, and unlike each other
+        runs = [_by_index(c.generate(prompt, n=3, seed=11, temperature=1.0, max_tokens=16)) for _ in range(2)]
+    assert runs[0] == runs[1] and len({v[0] and tuple(v[0]) for v in runs[0].values()}) > 1
+    stack.wait_kv_clean()
+
+
+def test_abort_of_n4_frees_every_child(stack):
+    with stack.client() as c:
+        stream = c.generate(PROMPTS[3], request_id="par-abort", n=4, temperature=1.0, max_tokens=400, ignore_eos=True)
+        seen = {next(stream).index}
+        c.abort("par-abort")
+        msgs = list(stream)
+    ends = {m.index: m.finish_reason for m in msgs if m.finish_reason}
+    assert ends == {i: pb.FINISH_REASON_ABORT for i in range(4)}, (seen, ends)
+    stack.wait_kv_clean()

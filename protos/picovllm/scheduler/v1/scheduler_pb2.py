@@ -24,37 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,protos/picovllm/scheduler/v1/scheduler.proto\x12\x15picovllm.scheduler.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x92\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\xc2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x34\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1f.picovllm.scheduler.v1.TokenIdsH\x00\x12\x37\n\x08sampling\x18\x04 \x01(\x0b\x32%.picovllm.scheduler.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"m\n\x16GeneratedTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x30\n\x03top\x18\x03 \x03(\x0b\x32#.picovllm.scheduler.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xb0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12:\n\rfinish_reason\x18\x04 \x01(\x0e\x32#.picovllm.scheduler.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12+\n\x05usage\x18\x07 \x01(\x0b\x32\x1c.picovllm.scheduler.v1.Usage\x12?\n\x08logprobs\x18\x08 \x03(\x0b\x32-.picovllm.scheduler.v1.GeneratedTokenLogprobsB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xde\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x19\n\x11num_device_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_host_blocks\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x1d\n\x15\x65nable_prefix_caching\x18\t \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xae\x02\n\x10SchedulerService\x12]\n\x08Generate\x12&.picovllm.scheduler.v1.GenerateRequest\x1a\'.picovllm.scheduler.v1.GenerateResponse0\x01\x12R\n\x05\x41\x62ort\x12#.picovllm.scheduler.v1.AbortRequest\x1a$.picovllm.scheduler.v1.AbortResponse\x12g\n\x0cGetModelInfo\x12*.picovllm.scheduler.v1.GetModelInfoRequest\x1a+.picovllm.scheduler.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,protos/picovllm/scheduler/v1/scheduler.proto\x12\x15picovllm.scheduler.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa8\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x12\x0e\n\x01n\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\xc2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x34\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1f.picovllm.scheduler.v1.TokenIdsH\x00\x12\x37\n\x08sampling\x18\x04 \x01(\x0b\x32%.picovllm.scheduler.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"m\n\x16GeneratedTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x30\n\x03top\x18\x03 \x03(\x0b\x32#.picovllm.scheduler.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xbf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12:\n\rfinish_reason\x18\x04 \x01(\x0e\x32#.picovllm.scheduler.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12+\n\x05usage\x18\x07 \x01(\x0b\x32\x1c.picovllm.scheduler.v1.Usage\x12?\n\x08logprobs\x18\x08 \x03(\x0b\x32-.picovllm.scheduler.v1.GeneratedTokenLogprobs\x12\r\n\x05index\x18\t \x01(\x05\x42\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xde\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x19\n\x11num_device_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_host_blocks\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x1d\n\x15\x65nable_prefix_caching\x18\t \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xae\x02\n\x10SchedulerService\x12]\n\x08Generate\x12&.picovllm.scheduler.v1.GenerateRequest\x1a\'.picovllm.scheduler.v1.GenerateResponse0\x01\x12R\n\x05\x41\x62ort\x12#.picovllm.scheduler.v1.AbortRequest\x1a$.picovllm.scheduler.v1.AbortResponse\x12g\n\x0cGetModelInfo\x12*.picovllm.scheduler.v1.GetModelInfoRequest\x1a+.picovllm.scheduler.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.picovllm.scheduler.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1678
-  _globals['_FINISHREASON']._serialized_end=1798
+  _globals['_FINISHREASON']._serialized_start=1715
+  _globals['_FINISHREASON']._serialized_end=1835
   _globals['_TOKENIDS']._serialized_start=71
   _globals['_TOKENIDS']._serialized_end=94
   _globals['_SAMPLINGPARAMS']._serialized_start=97
-  _globals['_SAMPLINGPARAMS']._serialized_end=627
-  _globals['_GENERATEREQUEST']._serialized_start=630
-  _globals['_GENERATEREQUEST']._serialized_end=824
-  _globals['_TOKENLOGPROB']._serialized_start=826
-  _globals['_TOKENLOGPROB']._serialized_end=875
-  _globals['_GENERATEDTOKENLOGPROBS']._serialized_start=877
-  _globals['_GENERATEDTOKENLOGPROBS']._serialized_end=986
-  _globals['_USAGE']._serialized_start=988
-  _globals['_USAGE']._serialized_end=1068
-  _globals['_GENERATERESPONSE']._serialized_start=1071
-  _globals['_GENERATERESPONSE']._serialized_end=1375
-  _globals['_ABORTREQUEST']._serialized_start=1377
-  _globals['_ABORTREQUEST']._serialized_end=1411
-  _globals['_ABORTRESPONSE']._serialized_start=1413
-  _globals['_ABORTRESPONSE']._serialized_end=1428
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1430
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1451
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1454
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1676
-  _globals['_SCHEDULERSERVICE']._serialized_start=1801
-  _globals['_SCHEDULERSERVICE']._serialized_end=2103
+  _globals['_SAMPLINGPARAMS']._serialized_end=649
+  _globals['_GENERATEREQUEST']._serialized_start=652
+  _globals['_GENERATEREQUEST']._serialized_end=846
+  _globals['_TOKENLOGPROB']._serialized_start=848
+  _globals['_TOKENLOGPROB']._serialized_end=897
+  _globals['_GENERATEDTOKENLOGPROBS']._serialized_start=899
+  _globals['_GENERATEDTOKENLOGPROBS']._serialized_end=1008
+  _globals['_USAGE']._serialized_start=1010
+  _globals['_USAGE']._serialized_end=1090
+  _globals['_GENERATERESPONSE']._serialized_start=1093
+  _globals['_GENERATERESPONSE']._serialized_end=1412
+  _globals['_ABORTREQUEST']._serialized_start=1414
+  _globals['_ABORTREQUEST']._serialized_end=1448
+  _globals['_ABORTRESPONSE']._serialized_start=1450
+  _globals['_ABORTRESPONSE']._serialized_end=1465
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1467
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1488
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1491
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1713
+  _globals['_SCHEDULERSERVICE']._serialized_start=1838
+  _globals['_SCHEDULERSERVICE']._serialized_end=2140
 # @@protoc_insertion_point(module_scope)

@@ -57,10 +57,11 @@ class SchedulerServiceServicer:
     """
 
     def Generate(self, request, context):
-        """Generate one completion, streamed: a message as soon as there is output, carrying every
-        token since the previous message (one engine step's, or several steps' when the stream
-        is behind, e.g. its client reads slowly); the last message carries the finish reason
-        and the token counts. Cancelling the call aborts the request and frees its KV-cache blocks.
+        """Generate the request's completions (SamplingParams.n, one by default), streamed: a
+        message as soon as there is output, carrying every token of one completion (its index)
+        since the previous message (one engine step's, or several steps' when the stream is
+        behind, e.g. its client reads slowly); the last message carries the finish reason and
+        the token counts. Cancelling the call aborts the request and frees its KV-cache blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
