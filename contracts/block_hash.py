@@ -5,6 +5,11 @@ router hashes a prompt's blocks to look them up in the replicas' published prefi
 (router_svc). Both must agree bit for bit, and the hashes are persisted (the metadata
 store), so this is stable across processes and versions: blake2b (8 bytes) of the parent's
 hash, the block's tokens as little-endian int64 and the extra key (the cache salt).
+
+The prefix index's Redis keys, under `picovllm:{replica id}:prefix:` (the replica id is its
+deployment name): `blocks`, a set of the hashes (decimal) of the blocks the replica holds on
+its device, and `alive`, its heartbeat. Both expire INDEX_TTL_S after the last heartbeat,
+so a replica that stops leaves no entries behind.
 """
 
 from __future__ import annotations
@@ -12,6 +17,15 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator, Sequence
 from hashlib import blake2b
+
+HEARTBEAT_S = 1.0  # a publishing replica writes its heartbeat this often
+INDEX_TTL_S = 3.0  # ... and its keys expire this long after the last one
+
+
+def index_keys(replica_id: str) -> tuple[str, str]:
+    """(blocks key, heartbeat key) of a replica's prefix index."""
+    prefix = f"picovllm:{replica_id}:prefix:"
+    return prefix + "blocks", prefix + "alive"
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_key: str | None) -> int:
