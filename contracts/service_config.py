@@ -133,13 +133,12 @@ class KVCacheSection:
     redis_url: str | None = field(default=None, repr=False)  # None: metadata in memory; may carry a password
     deployment: str = "default"  # namespaces the Redis keys; a replica's id in the router's prefix index
     # Publish the block hashes held on the device to Redis (redis_url) with a heartbeat, for a
-    # router in front of several replicas (router_svc); needs redis_url.
+    # router in front of several replicas (router_svc); the KV-cache service refuses to start
+    # without redis_url (only that service is given the URL).
     publish_prefixes: bool = False
 
     def __post_init__(self) -> None:
         _check_address("kvcache.address", self.address)
-        if self.publish_prefixes and self.redis_url is None:
-            raise ValueError("kvcache.publish_prefixes needs kvcache.redis_url (the Redis the router reads)")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kvcache.redis_url must be a redis:// URL, got {mask_url(self.redis_url)!r}")
         if not self.deployment or ":" in self.deployment:

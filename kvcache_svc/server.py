@@ -83,6 +83,8 @@ async def _follow_store(service: KVCacheService, running) -> None:
 
 async def serve(config: KVCacheSection, ready: asyncio.Event | None = None, token: str | None = None) -> None:
     """Run until SIGTERM/SIGINT. `token`: the internal token callers must present."""
+    if config.publish_prefixes and not config.redis_url:
+        raise ValueError("kvcache.publish_prefixes needs a Redis URL (the Redis the router reads)")
     service = KVCacheService(open_store(config.redis_url, config.deployment))
     running = await start_server(
         config.address,
@@ -108,7 +110,7 @@ async def serve(config: KVCacheSection, ready: asyncio.Event | None = None, toke
         ready.set()
     follow = asyncio.ensure_future(_follow_store(service, running)) if service.store.persistent else None
     publisher = None
-    if config.publish_prefixes and config.redis_url:
+    if config.publish_prefixes and config.redis_url:  # checked above: the URL is there
         publisher = PrefixPublisher(service, config.redis_url, config.deployment)
         publishing = asyncio.ensure_future(publisher.run())
     await stop.wait()

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from contracts.metrics_http import serve_metrics
-from router_svc.replicas import Replica
+from router_svc.replicas import ReplicaSet
 
 _DECISION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _HIT_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class _ReplicaCollector:
-    def __init__(self, replicas: Callable[[], Sequence[Replica]]) -> None:
+    def __init__(self, replicas: ReplicaSet) -> None:
         self.replicas = replicas
 
     def describe(self) -> list[Metric]:
@@ -24,15 +24,16 @@ class _ReplicaCollector:
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("picovllm_router_replica_up", "1 while the replica is routed to", labels=["replica"])
         load = GaugeMetricFamily("picovllm_router_replica_load", "Waiting + running requests", labels=["replica"])
-        for r in self.replicas():
-            up.add_metric([r.address], float(r.up))
+        routable = {r.address for r in self.replicas.routable()}
+        for r in self.replicas.replicas:
+            up.add_metric([r.address], float(r.address in routable))
             load.add_metric([r.address], float(r.load))
         yield up
         yield load
 
 
 class RouterMetrics:
-    def __init__(self, replicas: Callable[[], Sequence[Replica]]) -> None:
+    def __init__(self, replicas: ReplicaSet) -> None:
         self.registry = CollectorRegistry()
         self.routed = Counter(
             "picovllm_router_requests", "Requests sent to each replica", ["replica"], registry=self.registry

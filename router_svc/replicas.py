@@ -28,7 +28,7 @@ import grpc
 from contracts.rpc import CHANNEL_OPTIONS
 from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from router_svc.index import PrefixIndex
+from router_svc.index import PrefixIndex, RecentRoutes
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class ReplicaSet:
     index: PrefixIndex | None = None
     on_change: Callable[[bool], Awaitable[None]] | None = None  # awaited when "any routable" flips
     index_ok: bool = False  # Redis answered the last heartbeat read
+    recent: RecentRoutes = field(default_factory=RecentRoutes)  # forgotten for a replica that goes down
     _turn: itertools.count = field(default_factory=itertools.count)
     _routable: bool = False
 
@@ -105,6 +106,7 @@ class ReplicaSet:
         if replica.up:
             logger.warning("replica %s taken out: %s", replica.address, why)
         replica.up, replica.why = False, why
+        self.recent.forget(replica.address)  # what it held may be gone with it
 
     async def poll(self) -> None:
         """One round: every replica's load, then the heartbeats."""
@@ -139,6 +141,7 @@ class ReplicaSet:
             if r.up and now - r.last_answer >= self.down_after_s:
                 logger.warning("replica %s is down: %s", r.address, r.why)
                 r.up = False
+                self.recent.forget(r.address)
             return
         if not r.up:
             logger.warning("replica %s is up (replica id %r)", r.address, load.replica_id)

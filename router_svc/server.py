@@ -33,7 +33,7 @@ from contracts.service_config import RouterSection, ServiceConfig
 from contracts.tokenizer import Tokenizer, load_tokenizer
 from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from router_svc.index import PrefixIndex, RecentRoutes
+from router_svc.index import PrefixIndex
 from router_svc.metrics import RouterMetrics
 from router_svc.replicas import Replica, ReplicaSet, choose
 
@@ -74,7 +74,6 @@ class RouterServicer(pb_grpc.SchedulerServiceServicer):
         self.tokenizer = tokenizer
         self.index = index
         self.metrics = metrics
-        self.recent = RecentRoutes()
         self.routes: dict[str, _Route] = {}
         # One thread: one tokenizer is never entered twice; off the event loop.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -113,7 +112,7 @@ class RouterServicer(pb_grpc.SchedulerServiceServicer):
                         logger.warning("prefix index lookup failed (%s)", exc)
                     self._index_failing = True
             for r in group:
-                hits[r.address] = max(published.get(r.replica_id, 0), self.recent.hits(r.address, hashes))
+                hits[r.address] = max(published.get(r.replica_id, 0), self.replicas.recent.hits(r.address, hashes))
         return hits
 
     async def _route(self, request: pb.GenerateRequest, route: _Route, tried: set[str]) -> Replica:
@@ -126,7 +125,7 @@ class RouterServicer(pb_grpc.SchedulerServiceServicer):
         chosen = choose(candidates, hits, self.config.policy, self.config.max_imbalance, self.replicas.next_turn())
         hashes = (route.hashes or {}).get(chosen.block_size)
         if hashes:
-            self.recent.add(chosen.address, hashes)
+            self.replicas.recent.add(chosen.address, hashes)
         if self.metrics is not None:
             self.metrics.routed.labels(chosen.address).inc()
             self.metrics.decision_seconds.observe(time.monotonic() - started)
@@ -226,7 +225,7 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
     index = PrefixIndex(config.kvcache.redis_url) if config.kvcache.redis_url and r.policy == "prefix" else None
     replicas = ReplicaSet.connect(r.replicas, r.poll_interval_s, r.down_after_s, metadata=call_metadata(creds.api_key))
     replicas.index = index
-    metrics = RouterMetrics(lambda: replicas.replicas)
+    metrics = RouterMetrics(replicas)
     servicer = RouterServicer(r, replicas, tokenizer, index, metrics)
     running = await start_server(
         r.address,
