@@ -57,7 +57,7 @@ class Fleet:
             for policy in self.router:
                 self.wait(policy, self.router[policy])
                 for replica in replicas:
-                    wait_for(lambda: self.routable(policy, replica), 30, f"{policy} router sees {replica}")
+                    wait_for(lambda p=policy, r=replica: self.routable(p, r), 30, f"{policy} router sees {replica}")
         except BaseException:
             self.close()
             raise
@@ -131,9 +131,7 @@ def test_text_prompts_hash_as_the_replica_does(fleet, redis_server):
     assert len(hashes) >= 4
 
     def published() -> bool:
-        return any(
-            all(redis_server.client.smismember(index_keys(fleet.replica_id[r])[0], hashes)) for r in ("a", "b")
-        )
+        return any(all(redis_server.client.smismember(index_keys(fleet.replica_id[r])[0], hashes)) for r in ("a", "b"))
 
     wait_for(published, 5, "the prompt's blocks in a replica's published index")
 
@@ -144,10 +142,8 @@ def test_abort_reaches_the_replica(fleet):
         first = next(stream)
         assert first.request_id == "abort-me"
         c.abort("abort-me")
-        last = first
-        for last in stream:
-            pass
-        assert last.finish_reason == 3  # FINISH_REASON_ABORT
+        rest = list(stream)
+        assert rest and rest[-1].finish_reason == 3  # FINISH_REASON_ABORT
         with pytest.raises(grpc.RpcError) as err:
             c.abort("abort-me")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
