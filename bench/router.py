@@ -7,7 +7,7 @@ The workload (seeded): `--tenants` system prompts of `--prefix-tokens` token ids
 `--per-tenant` requests per tenant, each its tenant's system prompt and a suffix of its
 own, shuffled, sent `--concurrency` at a time, greedy, ignore_eos, `--max-tokens` out.
 
-Cases, each on fresh caches (a cache salt of its own):
+Cases, each after a short warm-up and on fresh caches (a cache salt of its own):
 - one engine: `serve all` with the whole KV pool (`--num-gpu-blocks`)
 - router: two replicas, each `serve all` with half the pool (both on the one device),
   publishing their prefix index to a redis-server this script starts, behind
@@ -254,7 +254,9 @@ def run_cases(args: argparse.Namespace, model_dir: str, log_dir: Path) -> dict:
             wait_serving(r[1], procs, args.startup_timeout)
         time.sleep(2.0)  # the routers have polled every replica
         cases = {"one engine": scheduler_address(single), **{f"router ({p})": r[1] for p, r in routers.items()}}
+        warm = make_workload(2, args.concurrency, 16, 16, vocab, args.seed + 1)
         for name, address in cases.items():
+            run_workload(address, warm, args.concurrency, 4, salt=f"warm {name}")  # warm-up, not timed
             outcomes, elapsed = run_workload(address, work, args.concurrency, args.max_tokens, salt=name)
             results[name] = summarize(outcomes, elapsed)
             outputs[name] = [o.token_ids for o in outcomes]

@@ -9,8 +9,9 @@ routed to by load alone.
 
 The policy (`choose`), given each candidate's prefix hit in blocks:
     prefix       the longest hit, unless its replica has more than `max_imbalance` requests
-                 (waiting + running) beyond the least loaded one, or its KV pool is full:
-                 then the least loaded; ties go round the replicas in turn
+                 (waiting + running) beyond the least loaded one: then the least loaded;
+                 ties go round the replicas in turn; a replica whose KV pool is full is
+                 passed over while another is not
     round_robin  each replica in turn (the baseline)
 """
 
@@ -62,12 +63,12 @@ def choose(candidates: Sequence[Replica], hits: dict[str, int], policy: str, max
     counter that rotates ties (and round_robin)."""
     if policy == "round_robin":
         return candidates[turn % len(candidates)]
-    least = min(r.load for r in candidates)
-    idle = [r for r in candidates if r.load == least]
-    least_loaded = idle[turn % len(idle)]
-    best = max(candidates, key=lambda r: (hits.get(r.address, 0), -r.load, -r.kv_usage))
-    if hits.get(best.address, 0) == 0 or best.load - least > max_imbalance or best.kv_usage >= KV_FULL:
-        return least_loaded
+    roomy = [r for r in candidates if r.kv_usage < KV_FULL] or list(candidates)
+    least = min(r.load for r in roomy)
+    idle = [r for r in roomy if r.load == least]
+    best = max(roomy, key=lambda r: (hits.get(r.address, 0), -r.load, -r.kv_usage))
+    if hits.get(best.address, 0) == 0 or best.load - least > max_imbalance:
+        return idle[turn % len(idle)]
     return best
 
 
