@@ -72,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=None,
         metavar="HOST:PORT",
-        help="router: a replica's public scheduler address; once per replica (config key router.replicas)",
+        help="router: a replica's public scheduler address; once per replica (default: none; config key "
+        "router.replicas)",
     )
     p.add_argument(
         "--publish-prefixes",
