@@ -57,9 +57,9 @@ class PrefixPublisher:
         """(whole, changes): what to write now, taken on the event loop. whole: `changes` holds
         every hash of the pool and replaces the set."""
         pool = self._pool()
-        if pool is None:
-            return True, {}
         full, self._full = self._full, False
+        if pool is None:  # no pools (yet, or dropped): the set is emptied once
+            return full, {}
         log, pool.hash_log = pool.hash_log or {}, {}
         return (True, dict.fromkeys(pool.hash_to_block, True)) if full else (False, log)
 

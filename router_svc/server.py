@@ -170,7 +170,7 @@ class RouterServicer(pb_grpc.SchedulerServiceServicer):
                         raise error_from_rpc(err) or RuntimeError(f"{code.name}: {err.details()}") from None
                     if code == grpc.StatusCode.UNAVAILABLE:
                         self.replicas.take_out(replica, f"Generate: {err.details()}")
-                    if len(tried) == len(self.replicas.replicas):
+                    if not self.replicas.routable(tried):  # every other one is down or tried: its answer
                         raise error_from_rpc(err) or RouterUnavailable(NO_REPLICA) from None
                     if self.metrics is not None:
                         self.metrics.retries.inc()
