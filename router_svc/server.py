@@ -163,6 +163,8 @@ class RouterServicer(pb_grpc.SchedulerServiceServicer):
                     return
                 except grpc.RpcError as err:
                     code = err.code()
+                    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):  # the caller's own
+                        await context.abort(code, code.value[1])
                     if sent or code not in _RETRY_CODES:
                         if code == grpc.StatusCode.UNAVAILABLE:
                             logger.warning("request %s lost replica %s: %s", request_id, replica.address, err.details())

@@ -124,6 +124,12 @@ def test_text_prompts_hash_as_the_replica_does(fleet, redis_server):
         _, _, first = c.complete(text, temperature=0.0, max_tokens=4)
         _, _, second = c.complete(text, temperature=0.0, max_tokens=4)
         info = c.model_info()
+        fleet_load = c.load()
+    assert fleet_load.replica_id == "" and fleet_load.num_waiting + fleet_load.num_running == 0
+    for name, replica_id in (("a", fleet.replica_id["a"]), ("single", "")):  # publishing or not
+        with Client(fleet.addr[name], timeout=10) as c:
+            load = c.load()
+        assert load.replica_id == replica_id and load.num_running == 0 and 0.0 <= load.kv_usage <= 1.0
     assert info.block_size == 16
     assert first.usage.cached_tokens == 0
     assert second.usage.cached_tokens == 16 * ((second.usage.prompt_tokens - 1) // 16)  # the same replica
@@ -136,7 +142,7 @@ def test_text_prompts_hash_as_the_replica_does(fleet, redis_server):
     wait_for(published, 5, "the prompt's blocks in a replica's published index")
 
 
-def test_abort_reaches_the_replica(fleet):
+def test_abort_and_deadlines_reach_the_replica(fleet):
     with Client(fleet.router["prefix"], timeout=60) as c:
         stream = c.generate([1, 2, 3, 4, 5], request_id="abort-me", max_tokens=400, ignore_eos=True, temperature=0.0)
         first = next(stream)
@@ -147,6 +153,9 @@ def test_abort_reaches_the_replica(fleet):
         with pytest.raises(grpc.RpcError) as err:
             c.abort("abort-me")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with Client(fleet.router["prefix"], timeout=0.5) as c, pytest.raises(grpc.RpcError) as err:
+        c.complete([1, 2, 3, 4, 5], max_tokens=400, ignore_eos=True, temperature=0.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # the caller's deadline, through the router
 
 
 def test_kill_a_replica_mid_run_then_it_rejoins(fleet):
