@@ -21,7 +21,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -93,7 +93,8 @@ class ReplicaSet:
             replicas.append(Replica(address, pb_grpc.SchedulerServiceStub(channel), channel))
         return cls(replicas, poll_interval_s, down_after_s, **kwargs)
 
-    def routable(self, exclude: set[str] = frozenset()) -> list[Replica]:  # type: ignore[assignment]
+    def routable(self, exclude: Collection[str] = ()) -> list[Replica]:
+        """The replicas a request may go to now, but those in `exclude` (addresses)."""
         up = [r for r in self.replicas if r.up and r.block_size and r.address not in exclude]
         if not self.index_ok:
             return up

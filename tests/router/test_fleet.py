@@ -158,7 +158,7 @@ def test_abort_and_deadlines_reach_the_replica(fleet):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # the caller's deadline, through the router
 
 
-def test_kill_a_replica_mid_run_then_it_rejoins(fleet):
+def test_kill_a_replica_mid_run_then_it_rejoins(fleet, redis_server):
     work = make_workload(tenants=8, per_tenant=6, prefix_tokens=256, max_suffix=24, vocab=512, seed=1)
     victim = fleet.addr["a"]
     done: list = []
@@ -173,6 +173,7 @@ def test_kill_a_replica_mid_run_then_it_rejoins(fleet):
     routed_after_5s = fleet.routed("prefix", victim)
     run.join(120)
     assert not run.is_alive(), "the workload hangs"
+    assert not redis_server.client.exists(*index_keys(fleet.replica_id["a"]))  # its index entries expired
     assert fleet.routed("prefix", victim) == routed_after_5s  # nothing sent to it after 5 s
     assert not fleet.routable("prefix", victim)
     assert len(done) == len(work)

@@ -20,7 +20,7 @@ from kvcache_svc.service import KVCacheService
 from kvcache_svc.state import new_manager
 from kvcache_svc.store import MemoryStore
 from router_svc.index import PrefixIndex, RecentRoutes, leading
-from router_svc.replicas import Replica, choose
+from router_svc.replicas import Replica, ReplicaSet, choose
 from scheduler_svc.client import Client
 from tests.services.conftest import ServiceProcess, free_port, wait_for
 
@@ -46,6 +46,20 @@ def test_no_hit_goes_to_the_least_loaded_ties_in_turn():
     a, b, c = replica("a"), replica("b"), replica("c", load=2)
     picked = [choose([a, b, c], {}, "prefix", max_imbalance=8, turn=t).address for t in range(4)]
     assert picked == ["a", "b", "a", "b"]
+
+
+def test_a_replica_without_a_heartbeat_is_not_routed_to():
+    a, b, plain = replica("a"), replica("b"), replica("plain")
+    a.replica_id, b.replica_id = "ra", "rb"  # publishers; `plain` publishes no index
+    a.alive = True
+    replicas = ReplicaSet([a, b, plain], poll_interval_s=0.5, down_after_s=2.0, index_ok=True)
+    assert replicas.routable() == [a, plain]
+    assert replicas.routable({"a"}) == [plain]
+    replicas.index_ok = False  # Redis does not answer: every replica that is up, by load alone
+    assert replicas.routable() == [a, b, plain]
+    replicas.recent.add("a", [1, 2])
+    replicas.take_out(a, "gone")
+    assert replicas.routable() == [b, plain] and replicas.recent.hits("a", [1, 2]) == 0
 
 
 def test_round_robin_ignores_hits_and_load():
