@@ -25,7 +25,7 @@ from contracts.health import check_health
 from contracts.service_config import BUNDLED_MODEL
 from contracts.tokenizer import load_tokenizer
 from scheduler_svc.client import Client
-from tests.services.conftest import ServiceProcess, wait_for
+from tests.services.conftest import ServiceProcess, free_port, wait_for
 
 REPLICA_BLOCKS = 112  # 7 tenants' prefixes (16 blocks each) at most, with the running requests' own
 WORK = make_workload(tenants=8, per_tenant=16, prefix_tokens=256, max_suffix=24, vocab=512, seed=0)
@@ -156,6 +156,27 @@ def test_abort_and_deadlines_reach_the_replica(fleet):
     with Client(fleet.router["prefix"], timeout=0.5) as c, pytest.raises(grpc.RpcError) as err:
         c.complete([1, 2, 3, 4, 5], max_tokens=400, ignore_eos=True, temperature=0.0)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # the caller's deadline, through the router
+
+
+def test_the_http_gateway_points_at_the_router_unchanged(fleet, tmp_path):
+    import openai
+
+    from tests.http.conftest import http_ok
+
+    port = free_port()
+    gateway = ServiceProcess(
+        "http", ["--scheduler-addr", fleet.router["prefix"], "--host", "127.0.0.1", "--port", str(port)], tmp_path
+    )
+    try:
+        wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 60, "the gateway", gateway.proc)
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in api.models.list().data] == ["stories260k"]
+        reply = api.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=12, temperature=0)
+        with Client(fleet.addr["single"], timeout=60) as c:
+            text, _, _ = c.complete("Once upon a time", max_tokens=12, temperature=0.0)
+        assert reply.choices[0].text == text  # what one engine answers
+    finally:
+        gateway.kill()
 
 
 def test_kill_a_replica_mid_run_then_it_rejoins(fleet, redis_server):
