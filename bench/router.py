@@ -14,8 +14,9 @@ Cases, each after a short warm-up and on fresh caches (a cache salt of its own):
   `serve router --policy prefix`
 - round-robin: the same two replicas behind `serve router --policy round_robin`
 Per case: the prefix-cache hit rate (cached / prompt tokens, from the usage the server
-reports), output tokens/s over the run, TTFT p50 and p99, and whether every greedy output
-equals the one engine's.
+reports), output tokens/s over the run, TTFT p50 and p99, and how many greedy outputs equal
+the one engine's (all of them in fp32 on the CPU; in bf16 on a GPU a request batched with
+others than in the one engine's run may take another token where two are near-equal).
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ def make_workload(
     """(tenant, prompt token ids), shuffled: each tenant's system prompt, then 8 to max_suffix
     tokens of the request's own."""
     rng = random.Random(seed)
-    systems = [[rng.randrange(vocab) for _ in range(prefix_tokens)] for _ in range(tenants)]
+    top = min(vocab, 10000)  # as bench/serve.py: ids well inside the vocabulary
+    systems = [[rng.randrange(top) for _ in range(prefix_tokens)] for _ in range(tenants)]
     work = [
-        (t, systems[t] + [rng.randrange(vocab) for _ in range(rng.randint(min(8, max_suffix), max_suffix))])
+        (t, systems[t] + [rng.randrange(top) for _ in range(rng.randint(min(8, max_suffix), max_suffix))])
         for t in range(tenants)
         for _ in range(per_tenant)
     ]
@@ -266,7 +268,7 @@ def run_cases(args: argparse.Namespace, model_dir: str, log_dir: Path) -> dict:
         redis.kill()
         redis.wait()
     for name in results:
-        results[name]["greedy_equal"] = outputs[name] == outputs["one engine"]
+        results[name]["greedy_equal"] = sum(a == b for a, b in zip(outputs[name], outputs["one engine"]))
     return results
 
 
@@ -277,13 +279,13 @@ def report(args: argparse.Namespace, results: dict) -> str:
         f"time (seed {args.seed}); one engine with {args.num_gpu_blocks} KV blocks, each replica "
         f"{args.num_gpu_blocks // 2}.",
         "",
-        "| case | prefix hit rate | output tok/s | TTFT p50 ms | TTFT p99 ms | errors | greedy = one engine |",
+        "| case | prefix hit rate | output tok/s | TTFT p50 ms | TTFT p99 ms | errors | outputs = one engine's |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, s in results.items():
         lines.append(
             f"| {name} | {s['hit_rate']:.1%} | {s['out_tok_s']:.0f} | {s['ttft_p50_ms']:.0f} | "
-            f"{s['ttft_p99_ms']:.0f} | {s['errors']} | {'yes' if s['greedy_equal'] else 'NO'} |"
+            f"{s['ttft_p99_ms']:.0f} | {s['errors']} | {s['greedy_equal']}/{s['requests']} |"
         )
     return "\n".join(lines) + "\n"
 
