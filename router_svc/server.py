@@ -7,7 +7,8 @@ cannot be reached, or whose queue is full, before the first message: the request
 another replica (each at most once). A stream that already sent messages and loses its
 replica ends with UNAVAILABLE (its tokens cannot be taken back). Other statuses are the
 replica's answer and go to the caller as they are. Abort goes to the replica serving the
-request; GetModelInfo to any replica that is up; GetLoad adds the replicas' loads up.
+request (one that has not registered it yet: the router cancels its stream there and ends
+the caller's with ABORT); GetModelInfo to any replica that is up; GetLoad adds the replicas' loads up.
 
 Health is SERVING while at least one replica can be routed to. Callers present the API key
 when one is configured, and the router presents the same key to the replicas.
@@ -55,6 +56,7 @@ class _Route:
     """A request in the router: its replica once chosen, and its prompt's hashes per block size."""
 
     replica: Replica | None = None
+    call: grpc.aio.UnaryStreamCall | None = None  # the stream from `replica`
     aborted: bool = False
     token_ids: list[int] | None = None
     hashes: dict[int, list[int]] | None = None
@@ -153,7 +155,7 @@ class RouterServicer(pb_grpc.SchedulerServiceServicer):
                 route.replica = replica
                 sent = False
                 replica.in_flight += 1
-                call = replica.stub.Generate(
+                call = route.call = replica.stub.Generate(
                     forwarded, timeout=context.time_remaining(), metadata=self.replicas.metadata
                 )
                 try:
@@ -163,6 +165,9 @@ class RouterServicer(pb_grpc.SchedulerServiceServicer):
                     return
                 except grpc.RpcError as err:
                     code = err.code()
+                    if route.aborted and code == grpc.StatusCode.CANCELLED:  # Abort before the replica knew it
+                        yield pb.GenerateResponse(request_id=request_id, finish_reason=pb.FINISH_REASON_ABORT)
+                        return
                     if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):  # the caller's own
                         await context.abort(code, code.value[1])
                     if sent or code not in _RETRY_CODES:
@@ -179,7 +184,7 @@ class RouterServicer(pb_grpc.SchedulerServiceServicer):
                 finally:
                     replica.in_flight -= 1
                     call.cancel()  # the caller went away: the replica aborts it (a no-op once done)
-                    route.replica = None
+                    route.replica = route.call = None
         finally:
             self.routes.pop(request_id, None)
 
@@ -193,6 +198,11 @@ class RouterServicer(pb_grpc.SchedulerServiceServicer):
         try:
             return await route.replica.stub.Abort(request, timeout=10.0, metadata=self.replicas.metadata)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND and route.call is not None:
+                # Forwarded, but the replica has not registered it yet: stop the stream here.
+                route.aborted = True
+                route.call.cancel()
+                return pb.AbortResponse()
             raise error_from_rpc(err) or RuntimeError(f"{err.code().name}: {err.details()}") from None
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
