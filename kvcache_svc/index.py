@@ -46,12 +46,13 @@ class PrefixPublisher:
     def _pool(self) -> TrackedBlockPool | None:
         """The device pool to publish, logging its changes from now on."""
         manager = self.service.manager
+        pool = None if manager is None else manager.device
+        assert pool is None or isinstance(pool, TrackedBlockPool), "the service's pools track their changes"
         if manager is not self._manager:  # reset or reloaded: what Redis holds is another pool's
             self._manager, self._full = manager, True
-            if manager is not None:
-                assert isinstance(manager.device, TrackedBlockPool), "the service's pools track their changes"
-                manager.device.hash_log = {}
-        return None if manager is None else manager.device  # type: ignore[return-value]
+            if pool is not None:
+                pool.hash_log = {}
+        return pool
 
     def take(self) -> tuple[bool, dict[int, bool]]:
         """(whole, changes): what to write now, taken on the event loop. whole: `changes` holds
