@@ -218,6 +218,7 @@ class RouterSection:
     # more requests (waiting + running) than it.
     max_imbalance: int = 8
     max_request_bytes: int = 4 << 20  # a larger Generate message gets RESOURCE_EXHAUSTED from gRPC
+    drain_timeout_s: float = 30.0  # SIGTERM: how long the streams in flight may still run
 
     def __post_init__(self) -> None:
         _check_address("router.address", self.address)
@@ -230,8 +231,9 @@ class RouterSection:
         if self.policy not in ROUTER_POLICIES:
             raise ValueError(f"router.policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.policy!r}")
         _positive("router", self, "poll_interval_s", "down_after_s", "max_request_bytes")
-        if self.max_imbalance < 0:
-            raise ValueError(f"router.max_imbalance must be >= 0, got {self.max_imbalance!r}")
+        for name in ("max_imbalance", "drain_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"router.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"router.metrics_port must be a port number, got {self.metrics_port!r}")
 

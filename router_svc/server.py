@@ -10,7 +10,8 @@ replica's answer and go to the caller as they are. Abort goes to the replica ser
 request (one that has not registered it yet: the router cancels its stream there and ends
 the caller's with ABORT); GetModelInfo to any replica that is up; GetLoad adds the replicas' loads up.
 
-Health is SERVING while at least one replica can be routed to. Callers present the API key
+Health is SERVING while at least one replica can be routed to. SIGTERM refuses new requests
+and lets the streams in flight run for up to `drain_timeout_s`, then stops. Callers present the API key
 when one is configured, and the router presents the same key to the replicas.
 """
 
@@ -77,6 +78,7 @@ class RouterServicer(pb_grpc.SchedulerServiceServicer):
         self.index = index
         self.metrics = metrics
         self.routes: dict[str, _Route] = {}
+        self.draining = False
         # One thread: one tokenizer is never entered twice; off the event loop.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._index_failing = False
@@ -137,6 +139,8 @@ class RouterServicer(pb_grpc.SchedulerServiceServicer):
 
     # ----------------------------------------------------------------- the API
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        if self.draining:
+            raise RouterUnavailable("the router is shutting down")
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.routes:
             raise InvalidArgument(f"request_id {request_id!r} is already in use")
@@ -262,9 +266,13 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
     freeze_heap()
     announce(f"router ready: {', '.join(listening)}; replicas {', '.join(r.replicas)} (policy {r.policy})")
     await stop_event().wait()
-    polling.cancel()
+    servicer.draining = True  # new requests refused; the streams in flight go on, bounded
     await running.set_serving(False)
-    await running.server.stop(grace=5)
+    deadline = time.monotonic() + r.drain_timeout_s
+    while servicer.routes and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    polling.cancel()
+    await running.server.stop(grace=1)
     await replicas.close()
     if index is not None:
         await index.close()

@@ -34,6 +34,7 @@ WORK = make_workload(tenants=8, per_tenant=16, prefix_tokens=256, max_suffix=24,
 class Fleet:
     def __init__(self, tmp, redis_url: str) -> None:
         run = uuid.uuid4().hex[:8]
+        self.redis_url = redis_url
         env = {"PICOVLLM_REDIS_URL": redis_url}
         self.group_args = {
             "single": group_args(f"single-{run}", 2 * REPLICA_BLOCKS, "cpu", publish=False),
@@ -177,6 +178,27 @@ def test_the_http_gateway_points_at_the_router_unchanged(fleet, tmp_path):
         assert reply.choices[0].text == text  # what one engine answers
     finally:
         gateway.kill()
+
+
+def test_sigterm_lets_the_streams_in_flight_finish(fleet, tmp_path):
+    args = router_args([fleet.addr["a"], fleet.addr["b"]], "prefix")
+    router = ServiceProcess("router", args, tmp_path, {"PICOVLLM_REDIS_URL": fleet.redis_url})
+    try:
+        wait_for(lambda: check_health(args[1], timeout=0.5), 60, "a third router", router.proc)
+        with Client(args[1], timeout=60) as c:
+            stream = c.generate([7, 8, 9], max_tokens=120, ignore_eos=True, temperature=0.0)
+            first = next(stream)
+            router.proc.terminate()
+            wait_for(lambda: not check_health(args[1], timeout=0.5), 10, "the router not serving")
+            with pytest.raises(grpc.RpcError) as err:
+                c.complete([1, 2, 3], max_tokens=2)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            rest = list(stream)
+        assert rest[-1].finish_reason == 2  # LENGTH: it ran to its end
+        assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 120
+        assert router.proc.wait(timeout=30) == 0
+    finally:
+        router.kill()
 
 
 def test_kill_a_replica_mid_run_then_it_rejoins(fleet, redis_server):
