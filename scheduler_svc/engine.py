@@ -81,16 +81,7 @@ class LLMEngine:
                 model.num_device_blocks, model.num_host_blocks, config.block_size, config.enable_prefix_caching
             )
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_num_seqs,
-                config.max_num_batched_tokens,
-                config.preemption_mode,
-                config.enable_chunked_prefill,
-                self._max_model_len(model, config),
-            ),
-            self.kv,
-        )
+        self.scheduler = Scheduler(SchedulerConfig.of(config, self._max_model_len(model, config)), self.kv)
         self.max_model_len = self.scheduler.config.max_model_len
         self.limits = RequestLimits()  # per-request caps (service mode: the scheduler section's)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
