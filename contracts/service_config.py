@@ -168,13 +168,14 @@ class HttpSection:
     chat_template: str | None = None  # a Jinja file, for a tokenizer without a chat template
     max_request_bytes: int = 4 << 20  # a larger HTTP body gets 413 before it is parsed
     tls_ca: str | None = None  # PEM the gateway trusts for the scheduler's TLS; None: scheduler.tls_cert
+    workers: int | None = None  # gateway processes on the one port; None: one per 4 CPUs, 1 to 4 (http_svc.workers)
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("http.host must not be empty")
         if not 0 <= self.port < 65536:
             raise ValueError(f"http.port must be a port number, got {self.port!r}")
-        _positive("http", self, "max_request_bytes")
+        _positive("http", self, "max_request_bytes", "workers")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("http.served_model_name must not be blank")
 

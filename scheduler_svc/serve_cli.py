@@ -223,6 +223,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.kind == "all":
         return serve_all(args, config, creds)
     try:
+        if args.kind == "http":
+            from http_svc.workers import run as run_http
+
+            return run_http(config, creds)
         asyncio.run(_serve_one(args.kind, config, creds))
     except (OSError, ValueError, PicoError) as exc:  # a taken port, a model that cannot load, peers that never came up
         logger.debug("the %s service failed to start", args.kind, exc_info=True)
@@ -255,10 +259,6 @@ async def _serve_one(kind: str, config, creds: Credentials) -> None:
 
         s = config.scheduler
         await serve_model(config.model, s.max_num_seqs, creds.internal_token, async_scheduling=s.async_scheduling)
-    elif kind == "http":
-        from http_svc.server import serve as serve_http
-
-        await serve_http(config, creds)
     elif kind == "router":
         from router_svc.server import serve as serve_router
 

@@ -43,6 +43,7 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--port": ("http", "port", int, "the HTTP gateway's port; 0: `serve all` starts no gateway"),
     "--served-model-name": ("http", "served_model_name", str, "the model's name in the HTTP API"),
     "--chat-template": ("http", "chat_template", str, "a Jinja chat template file, for a tokenizer without one"),
+    "--http-workers": ("http", "workers", int, "HTTP gateway processes sharing its port"),
     "--router-addr": ("router", "address", str, "the router's public gRPC address, host:port"),
     "--policy": ("router", "policy", str, "the router's policy: prefix (cache affinity, traded against load) "
                  "or round_robin"),
@@ -61,6 +62,7 @@ NONE_MEANS = {
     "tls_key": "none",
     "served_model_name": "the basename of the model directory",
     "chat_template": "the tokenizer's",
+    "workers": "one per 4 CPUs, 1 to 4",
 }
 # Files of secrets: flag -> (environment variable, help). The variable itself, or VAR_FILE
 # naming a file, works as well; the flag wins.
