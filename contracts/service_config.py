@@ -6,10 +6,12 @@ Precedence, lowest first: the defaults here, the YAML file, environment variable
     kvcache:    {address: "127.0.0.1:50052", redis_url: null, deployment: default}
     model:      {address: "127.0.0.1:50053", model: <bundled stories260k>, block_size: 16, ...}
     http:       {host: 127.0.0.1, port: 8000, served_model_name: null, chat_template: null, ...}
+    router:     {address: "127.0.0.1:50050", replicas: [host:port, ...], policy: prefix, ...}
 
 Environment: PICOVLLM_CONFIG (the YAML path), PICOVLLM_SCHEDULER_ADDR, PICOVLLM_KVCACHE_ADDR,
 PICOVLLM_MODEL_ADDR, PICOVLLM_REDIS_URL, PICOVLLM_DEPLOYMENT, PICOVLLM_METRICS_PORT,
-PICOVLLM_MODEL, PICOVLLM_HTTP_HOST, PICOVLLM_HTTP_PORT, PICOVLLM_SERVED_MODEL_NAME;
+PICOVLLM_MODEL, PICOVLLM_HTTP_HOST, PICOVLLM_HTTP_PORT, PICOVLLM_SERVED_MODEL_NAME,
+PICOVLLM_ROUTER_ADDR, PICOVLLM_REPLICAS (comma-separated);
 PICOVLLM_REDIS_URL_FILE names a file holding the Redis URL (it may carry a
 password). Every service listens on loopback unless told otherwise.
 """
@@ -41,6 +43,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PICOVLLM_HTTP_HOST": ("http", "host"),
     "PICOVLLM_HTTP_PORT": ("http", "port"),
     "PICOVLLM_SERVED_MODEL_NAME": ("http", "served_model_name"),
+    "PICOVLLM_ROUTER_ADDR": ("router", "address"),
+    "PICOVLLM_REPLICAS": ("router", "replicas"),
 }
 
 
@@ -121,7 +125,11 @@ class SchedulerSection:
 class KVCacheSection:
     address: str = "127.0.0.1:50052"
     redis_url: str | None = field(default=None, repr=False)  # None: metadata in memory; may carry a password
-    deployment: str = "default"  # namespaces the Redis keys
+    deployment: str = "default"  # namespaces the Redis keys; a replica's id in the router's prefix index
+    # Publish the block hashes held on the device to Redis (redis_url) with a heartbeat, for a
+    # router in front of several replicas (router_svc); the KV-cache service refuses to start
+    # without redis_url (only that service is given the URL).
+    publish_prefixes: bool = False
 
     def __post_init__(self) -> None:
         _check_address("kvcache.address", self.address)
@@ -174,12 +182,51 @@ class HttpSection:
             raise ValueError("http.served_model_name must not be blank")
 
 
+ROUTER_POLICIES = ("prefix", "round_robin")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSection:
+    """The router (router_svc): the public scheduler API in front of several replicas. It reads
+    their prefix index from the kvcache section's redis_url."""
+
+    address: str = "127.0.0.1:50050"
+    replicas: tuple[str, ...] = ()  # the replicas' public scheduler addresses (a YAML list)
+    policy: str = "prefix"  # prefix: the longest cached prefix, traded against load; round_robin
+    metrics_port: int | None = 9410  # Prometheus /metrics on the router's host; None or 0 = off
+    poll_interval_s: float = 0.5  # how often each replica's load and health are asked
+    down_after_s: float = 2.0  # a replica that has not answered for this long is taken out
+    # Prefix routing gives way to the least loaded replica once the best-hit one has this many
+    # more requests (waiting + running) than it.
+    max_imbalance: int = 8
+    max_request_bytes: int = 4 << 20  # a larger Generate message gets RESOURCE_EXHAUSTED from gRPC
+    drain_timeout_s: float = 30.0  # SIGTERM: how long the streams in flight may still run
+
+    def __post_init__(self) -> None:
+        _check_address("router.address", self.address)
+        replicas = (self.replicas,) if isinstance(self.replicas, str) else tuple(self.replicas)
+        object.__setattr__(self, "replicas", replicas)  # a YAML list, or one address
+        for i, replica in enumerate(replicas):
+            _check_address(f"router.replicas[{i}]", str(replica))
+        if len(set(replicas)) != len(replicas):
+            raise ValueError(f"router.replicas names a replica twice: {list(replicas)}")
+        if self.policy not in ROUTER_POLICIES:
+            raise ValueError(f"router.policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.policy!r}")
+        _positive("router", self, "poll_interval_s", "down_after_s", "max_request_bytes")
+        for name in ("max_imbalance", "drain_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"router.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"router.metrics_port must be a port number, got {self.metrics_port!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     kvcache: KVCacheSection = field(default_factory=KVCacheSection)
     model: ModelSection = field(default_factory=ModelSection)
     http: HttpSection = field(default_factory=HttpSection)
+    router: RouterSection = field(default_factory=RouterSection)
 
     @property
     def tokenizer(self) -> str:
@@ -194,6 +241,8 @@ def _coerce(section: str, name: str, raw: Any, annotation: str) -> Any:
     """Env values arrive as strings; YAML values as typed scalars."""
     if not isinstance(raw, str) or annotation.startswith("str"):
         return raw
+    if annotation.startswith("tuple"):  # a list from the environment: comma-separated
+        return tuple(item.strip() for item in raw.split(",") if item.strip())
     if raw.lower() in ("", "none", "null"):
         return None
     try:

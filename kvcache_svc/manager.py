@@ -11,10 +11,10 @@ BlockOpError, also under `python -O`, and changes nothing either.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from hashlib import blake2b
 
+from contracts import block_hash as hashing
 from kvcache_svc.block_pool import BlockOpError, BlockPool, Tier
 
 
@@ -54,37 +54,6 @@ class SeqBlocks:
     extra_key: str | None = None
     num_hashed_blocks: int = 0  # leading full blocks whose chain hash is known
     last_hash: int | None = None  # chain hash of block num_hashed_blocks - 1
-
-
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_key: str | None) -> int:
-    """Chained block hash, stable across processes (it is persisted in the metadata store):
-    blake2b (8 bytes) of the parent's hash, the tokens as little-endian int64 and the key."""
-    return next(chain_hashes(token_ids, len(token_ids), 0, 1, parent_hash, extra_key))
-
-
-def chain_hashes(
-    token_ids: Sequence[int],
-    block_size: int,
-    start_block: int,
-    end_block: int,
-    parent_hash: int | None,
-    extra_key: str | None,
-) -> Iterator[int]:
-    """hash_block of blocks start_block .. end_block - 1 of token_ids, each chained to the one
-    before (the first to parent_hash)."""
-    data = array("q", token_ids[start_block * block_size : end_block * block_size]).tobytes()
-    return _chain_bytes(data, 8 * block_size, parent_hash, extra_key)
-
-
-def _chain_bytes(data: bytes, width: int, parent_hash: int | None, extra_key: str | None) -> Iterator[int]:
-    """chain_hashes over tokens already in int64 bytes (`width` bytes a block): one blake2b
-    call per block, no per-block conversion (a burst of 64 prompts of 1,056 tokens on arrival
-    would otherwise convert 4,160 blocks one by one)."""
-    salt = extra_key.encode() if extra_key else b""
-    parent = (parent_hash or 0).to_bytes(8, "little")
-    for offset in range(0, len(data), width):
-        parent = blake2b(parent + data[offset : offset + width] + salt, digest_size=8).digest()
-        yield int.from_bytes(parent, "little")
 
 
 class KVCacheManager:
@@ -162,7 +131,7 @@ class KVCacheManager:
             data = token_bytes[: num_blocks * bs * 8]
         hashes = self._recent_hashes(data, extra_key)
         known, width = len(hashes), 8 * bs
-        rest = _chain_bytes(data[known * width :], width, hashes[-1] if hashes else None, extra_key)
+        rest = hashing.chain_bytes(data[known * width :], width, hashes[-1] if hashes else None, extra_key)
         # The last prompt's hits, for the blocks this one shares with it: a block that still
         # holds the very token tuple it was verified against needs no new tuple and compare.
         hits = self._recent_hits[
@@ -295,10 +264,11 @@ class KVCacheManager:
                 f"blocks {first} to {end - 1}"
             )
         tail = token_ids[first * bs - token_offset : end * bs - token_offset]
-        for i, block_hash in enumerate(chain_hashes(tail, bs, 0, end - first, seq.last_hash, seq.extra_key), first):
+        hashes = hashing.chain_hashes(tail, bs, 0, end - first, seq.last_hash, seq.extra_key)
+        for i, h in enumerate(hashes, first):
             tokens = tuple(tail[(i - first) * bs : (i - first + 1) * bs])
-            self.device.set_hash(seq.block_ids[i], block_hash, tokens)
-            seq.last_hash, seq.num_hashed_blocks = block_hash, i + 1
+            self.device.set_hash(seq.block_ids[i], h, tokens)
+            seq.last_hash, seq.num_hashed_blocks = h, i + 1
 
     def free(self, seq_id: str) -> None:
         """Drop a sequence; its blocks go back tail first, so tails are evicted first."""

@@ -3,7 +3,9 @@
 Start-up reloads the metadata store (Redis) before health turns SERVING; afterwards health
 follows the store (NOT_SERVING while Redis does not answer its pings). The service is driven
 by one scheduler; calls are handled one at a time on the event loop. With a token, every
-call but health and reflection must present it (contracts.auth).
+call but health and reflection must present it (contracts.auth). With
+`publish_prefixes`, the device pool's block hashes go to Redis for a router
+(kvcache_svc.index).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 from contracts.rpc import announce, freeze_heap, start_server, stop_event
 from contracts.service_config import KVCacheSection
 from kvcache_svc import convert
+from kvcache_svc.index import PrefixPublisher
 from kvcache_svc.service import KVCacheService
 from kvcache_svc.store import open_store
 from protos.picovllm.kvcache.v1 import kvcache_pb2 as pb
@@ -80,6 +83,8 @@ async def _follow_store(service: KVCacheService, running) -> None:
 
 async def serve(config: KVCacheSection, ready: asyncio.Event | None = None, token: str | None = None) -> None:
     """Run until SIGTERM/SIGINT. `token`: the internal token callers must present."""
+    if config.publish_prefixes and not config.redis_url:
+        raise ValueError("kvcache.publish_prefixes needs a Redis URL (the Redis the router reads)")
     service = KVCacheService(open_store(config.redis_url, config.deployment))
     running = await start_server(
         config.address,
@@ -104,9 +109,16 @@ async def serve(config: KVCacheSection, ready: asyncio.Event | None = None, toke
     if ready is not None:
         ready.set()
     follow = asyncio.ensure_future(_follow_store(service, running)) if service.store.persistent else None
+    publisher = None
+    if config.publish_prefixes and config.redis_url:  # checked above: the URL is there
+        publisher = PrefixPublisher(service, config.redis_url, config.deployment)
+        publishing = asyncio.ensure_future(publisher.run())
     await stop.wait()
     if follow is not None:
         follow.cancel()
     await running.set_serving(False)
+    if publisher is not None:
+        publishing.cancel()
+        await asyncio.to_thread(publisher.withdraw)
     await running.server.stop(grace=5)
     service.store.close()

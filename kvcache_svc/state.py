@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from kvcache_svc.block_pool import BlockPool, Tier
+from kvcache_svc.block_pool import Block, BlockPool, Tier
 from kvcache_svc.manager import KVCacheManager, SeqBlocks
 from kvcache_svc.ops import PoolConfig
 
@@ -57,11 +57,14 @@ class KVState:
 
 
 class TrackedBlockPool(BlockPool):
-    """A BlockPool that adds every block id it changes to `dirty`."""
+    """A BlockPool that adds every block id it changes to `dirty`, and, while `hash_log` is a
+    dict (the prefix index is published: kvcache_svc.index), every hash that enters (True) or
+    leaves (False) its index, the last change of each hash winning."""
 
     def __init__(self, num_blocks: int, tier: Tier) -> None:
         super().__init__(num_blocks, tier)
         self.dirty: set[int] = set()
+        self.hash_log: dict[int, bool] | None = None
 
     def allocate(self, num: int) -> list[int]:
         ids = super().allocate(num)
@@ -83,7 +86,14 @@ class TrackedBlockPool(BlockPool):
     def set_hash(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> bool:
         changed = super().set_hash(block_id, block_hash, token_ids)
         self.dirty.add(block_id)
+        if changed and self.hash_log is not None:
+            self.hash_log[block_hash] = True
         return changed
+
+    def _drop_hash(self, block: Block) -> None:
+        if self.hash_log is not None and block.block_hash is not None:
+            self.hash_log[block.block_hash] = False
+        super()._drop_hash(block)
 
 
 def new_manager(config: PoolConfig, tracked: bool = False) -> KVCacheManager:

@@ -11,7 +11,9 @@ inter-token latency of the call); over HTTP the end-to-end entry is `chat` (a st
 POST /v1/chat/completions, read as server-sent events; response length = content chunks).
 Workloads (--workload or $PICOVLLM_WORKLOAD):
 short_chat (short prompt, 32 tokens), long_prompt (a long prompt, 16 tokens), shared_prefix
-(one long common prefix with a short distinct suffix, 32 tokens: exercises the prefix cache).
+(one long common prefix with a short distinct suffix, 32 tokens: exercises the prefix cache),
+multi_tenant (one of eight long prefixes, a short distinct suffix, 32 tokens: the router's
+workload; point --host at the router, e.g. 127.0.0.1:50050).
 A server with an API key gets it from $PICOVLLM_API_KEY (or the file named by
 $PICOVLLM_API_KEY_FILE).
 """
@@ -81,6 +83,8 @@ WORDS = [
     "happy",
 ]
 SHARED_PREFIX = " ".join(random.Random(0).choices(WORDS, k=300))
+# Eight tenants' system prompts: the router's workload (cache affinity across replicas).
+TENANT_PREFIXES = [" ".join(random.Random(t + 1).choices(WORDS, k=200)) for t in range(8)]
 
 
 def _prompt(workload: str, rng: random.Random) -> tuple[str, int]:
@@ -88,6 +92,8 @@ def _prompt(workload: str, rng: random.Random) -> tuple[str, int]:
         return " ".join(rng.choices(WORDS, k=350)), 16
     if workload == "shared_prefix":
         return SHARED_PREFIX + " " + " ".join(rng.choices(WORDS, k=8)), 32
+    if workload == "multi_tenant":
+        return rng.choice(TENANT_PREFIXES) + " " + " ".join(rng.choices(WORDS, k=8)), 32
     return " ".join(rng.choices(WORDS, k=rng.randint(4, 12))), 32
 
 
@@ -95,7 +101,7 @@ def _prompt(workload: str, rng: random.Random) -> tuple[str, int]:
 def _add_arguments(parser) -> None:
     parser.add_argument(
         "--workload",
-        choices=["short_chat", "long_prompt", "shared_prefix"],
+        choices=["short_chat", "long_prompt", "shared_prefix", "multi_tenant"],
         default=os.environ.get("PICOVLLM_WORKLOAD", "short_chat"),
         help="request mix",
     )

@@ -125,6 +125,10 @@ class Client:
     def model_info(self, timeout: float = 10.0) -> pb.GetModelInfoResponse:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
+    def load(self, timeout: float = 10.0) -> pb.GetLoadResponse:
+        """Waiting and running requests, KV usage and replica id (a router's: the fleet's sum)."""
+        return self.stub.GetLoad(pb.GetLoadRequest(), timeout=timeout, metadata=self.metadata)
+
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the scheduler's grpc.health.v1 says SERVING; False after `timeout` s."""
         from contracts import health

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -81,16 +81,9 @@ class SchedulerMetrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> str:
         """Serve /metrics on host:port; returns its URL. ListenError when the port is taken."""
-        from contracts.rpc import ListenError, check_can_listen
+        from contracts.metrics_http import serve_metrics
 
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        check_can_listen(address, "metrics")
-        try:
-            server, _ = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as exc:  # taken since the check
-            raise ListenError(f"cannot listen on {address} (metrics): {(exc.strerror or str(exc)).lower()}") from None
-        host_part = address.rpartition(":")[0]
-        return f"http://{host_part}:{server.server_port}/metrics"
+        return serve_metrics(self.registry, port, host)
 
 
 class StreamTimer:

@@ -1,4 +1,5 @@
-"""`picovllm serve scheduler|kvcache|model|http|all`: run the gRPC services and the HTTP gateway.
+"""`picovllm serve scheduler|kvcache|model|http|router|all`: run the gRPC services, the HTTP
+gateway, or the router in front of several replicas (router_svc).
 
 `all` starts the four as child processes (a one-machine deployment; the OpenAI-compatible
 HTTP gateway unless --port 0) and stops them together: SIGTERM stops the gateway (its requests
@@ -32,85 +33,11 @@ import time
 
 from contracts.auth import API_KEY_ENV, INTERNAL_TOKEN_ENV, REDIS_URL_ENV, Credentials, read_secret, url_has_credentials
 from scheduler_svc.cli_args import UsageError, add_log_flags
+from scheduler_svc.serve_flags import FLAGS, NONE_MEANS, SECRET_FILES, SECRET_VARS
 
 logger = logging.getLogger(__name__)
 
-# flag -> (section, key, type, help); flags override the environment and the YAML file. The
-# help gets the key's default from the default config appended (_default_text). A table, one
-# flag a line: not reformatted.
-FLAGS: dict[str, tuple[str, str, type, str]] = {
-    "--scheduler-addr": ("scheduler", "address", str, "the scheduler's public gRPC address, host:port"),
-    "--kvcache-addr": ("kvcache", "address", str, "the KV-cache service's gRPC address (internal)"),
-    "--model-addr": ("model", "address", str, "the model service's gRPC address (internal)"),
-    "--redis-url": ("kvcache", "redis_url", str, "Redis URL of the KV-cache metadata, e.g. redis://127.0.0.1:6379/0; "
-                    f"one with a password goes in ${REDIS_URL_ENV} or --redis-url-file, never here"),
-    "--deployment": ("kvcache", "deployment", str, "namespace of the Redis keys"),
-    "--metrics-port": ("scheduler", "metrics_port", int,
-                       "HTTP port of the Prometheus /metrics, on the scheduler's host; 0 = off"),
-    "--max-waiting": ("scheduler", "max_waiting", int, "queued requests beyond this are refused (RESOURCE_EXHAUSTED)"),
-    "--max-num-seqs": ("scheduler", "max_num_seqs", int, "sequences in one step at most"),
-    "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", int,
-                                 "tokens in one step at most (prompt chunks included)"),
-    "--max-model-len": ("scheduler", "max_model_len", int, "prompt + output tokens of one request at most"),
-    "--preemption-mode": ("scheduler", "preemption_mode", str,
-                          "swap | recompute: what a preempted request does with its KV blocks"),
-    "--drain-timeout": ("scheduler", "drain_timeout_s", float,
-                        "on SIGTERM, seconds the in-flight requests may still run"),
-    "--dependency-timeout": ("scheduler", "dependency_timeout_s", float, "seconds a request may wait on an unreachable "
-                             "model or KV-cache service before it gets UNAVAILABLE"),
-    "--tls-cert": ("scheduler", "tls_cert", str,
-                   "PEM certificate chain: serve the public API over TLS (with --tls-key)"),
-    "--tls-key": ("scheduler", "tls_key", str, "PEM private key of --tls-cert"),
-    "--model": ("model", "model", str, "a local Hugging Face model directory, or a repo id already in the local "
-                "Hugging Face cache; never downloaded"),
-    "--block-size": ("model", "block_size", int, "tokens per KV-cache block (a power of two)"),
-    "--num-gpu-blocks": ("model", "num_gpu_blocks", int, "device KV pool size in blocks"),
-    "--num-cpu-blocks": ("model", "num_cpu_blocks", int, "host (swap) KV pool size in blocks"),
-    "--device": ("model", "device", str, "cpu or cuda"),
-    "--dtype": ("model", "dtype", str, "float32, bfloat16 or float16"),
-    "--torch-threads": ("model", "torch_threads", int, "CPU threads for torch"),
-    "--host": ("http", "host", str, "the HTTP gateway's (OpenAI-compatible API's) host"),
-    "--port": ("http", "port", int, "the HTTP gateway's port; 0: `serve all` starts no gateway"),
-    "--served-model-name": ("http", "served_model_name", str, "the model's name in the HTTP API"),
-    "--chat-template": ("http", "chat_template", str, "a Jinja chat template file, for a tokenizer without one"),
-    "--http-workers": ("http", "workers", int, "HTTP gateway processes sharing its port"),
-}  # fmt: skip
-# What a default of None means, where the help cannot just show the value.
-NONE_MEANS = {
-    "redis_url": "none, metadata in memory",
-    "max_model_len": "the model's limit",
-    "num_gpu_blocks": "measured from free memory",
-    "num_cpu_blocks": "1 GiB of blocks, at most 4x the device pool",
-    "device": "cuda if available, else cpu",
-    "dtype": "bfloat16 on cuda, float32 on cpu",
-    "torch_threads": "1 for a model under 100M parameters, else one per core",
-    "tls_cert": "none, plaintext",
-    "tls_key": "none",
-    "served_model_name": "the basename of the model directory",
-    "chat_template": "the tokenizer's",
-    "workers": "one per 4 CPUs, 1 to 4",
-}
-# Files of secrets: flag -> (environment variable, help). The variable itself, or VAR_FILE
-# naming a file, works as well; the flag wins.
-SECRET_FILES: dict[str, tuple[str, str]] = {
-    "--redis-url-file": (
-        REDIS_URL_ENV,
-        "a file holding the Redis URL, which may carry a password "
-        "(default: $PICOVLLM_REDIS_URL, else the KV metadata stays in memory)",
-    ),
-    "--internal-token-file": (
-        INTERNAL_TOKEN_ENV,
-        "a file holding the internal token, the same for the three services "
-        "(default: $PICOVLLM_INTERNAL_TOKEN; `serve all` makes one per launch)",
-    ),
-    "--api-key-file": (
-        API_KEY_ENV,
-        "a file holding the API key the public API then requires as 'authorization: Bearer <key>' "
-        "(default: $PICOVLLM_API_KEY, else no key)",
-    ),
-}
-SECRET_VARS = tuple(v for var, _ in SECRET_FILES.values() for v in (var, f"{var}_FILE"))
-KINDS = ("scheduler", "kvcache", "model", "http", "all")
+KINDS = ("scheduler", "kvcache", "model", "http", "router", "all")
 CHILDREN = ("kvcache", "model", "scheduler", "http")
 
 
@@ -140,6 +67,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     for flag, (section, key, typ, text) in FLAGS.items():
         p.add_argument(flag, type=typ, default=None, help=f"{text} {_default_text(section, key)}")
+    p.add_argument(
+        "--replica",
+        action="append",
+        default=None,
+        metavar="HOST:PORT",
+        help="router: a replica's public scheduler address; once per replica (default: none; config key "
+        "router.replicas)",
+    )
+    p.add_argument(
+        "--publish-prefixes",
+        action="store_true",
+        help="publish the KV cache's block hashes to Redis for a router (needs a Redis URL; default: off; "
+        "config key kvcache.publish_prefixes)",
+    )
     p.add_argument(
         "--no-prefix-caching",
         action="store_true",
@@ -173,7 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace):
     from contracts.service_config import load_config
 
-    overrides: dict[str, dict] = {"scheduler": {}, "kvcache": {}, "model": {}, "http": {}}
+    overrides: dict[str, dict] = {"scheduler": {}, "kvcache": {}, "model": {}, "http": {}, "router": {}}
     for flag, (section, key, _, _) in FLAGS.items():
         overrides[section][key] = getattr(args, flag[2:].replace("-", "_"))
     if url_has_credentials(args.redis_url):
@@ -185,6 +126,10 @@ def config_from_args(args: argparse.Namespace):
         overrides["kvcache"]["redis_url"] = read_secret(REDIS_URL_ENV, args.redis_url_file, check=False)
     if args.no_prefix_caching:
         overrides["scheduler"]["enable_prefix_caching"] = False
+    if args.replica:
+        overrides["router"]["replicas"] = tuple(args.replica)
+    if args.publish_prefixes:
+        overrides["kvcache"]["publish_prefixes"] = True
     if args.async_scheduling is not None:
         overrides["scheduler"]["async_scheduling"] = args.async_scheduling
     return load_config(args.config, overrides)
@@ -198,7 +143,12 @@ def with_local_model(config, kind: str):
     model, scheduler = config.model, config.scheduler
     if kind in ("model", "all"):
         model = dataclasses.replace(model, model=resolve_model(model.model))
-    if kind in ("scheduler", "http", "all"):  # the gateway renders chat templates with the scheduler's tokenizer
+    if kind in (
+        "scheduler",
+        "http",
+        "router",
+        "all",
+    ):  # the gateway renders chat templates with the scheduler's tokenizer
         scheduler = dataclasses.replace(scheduler, tokenizer=resolve_model(config.tokenizer))
     return dataclasses.replace(config, model=model, scheduler=scheduler)
 
@@ -214,6 +164,8 @@ def child_argv(args: argparse.Namespace, kind: str) -> list[str]:
             argv += [flag, str(value)]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
+    if args.publish_prefixes:
+        argv.append("--publish-prefixes")
     if args.insecure_no_auth:
         argv.append("--insecure-no-auth")
     if args.async_scheduling is not None:
@@ -240,17 +192,18 @@ def child_env(kind: str, config, creds: Credentials) -> dict[str, str]:
 
 def credentials_from_args(args: argparse.Namespace) -> Credentials:
     """The internal token and API key of `args.kind` (SecretError: unreadable or unusable)."""
-    token = (
-        None if args.kind == "http" else read_secret(INTERNAL_TOKEN_ENV, args.internal_token_file)
-    )  # public API only
-    if token is None and not args.insecure_no_auth and args.kind != "http":
+    public_only = args.kind in ("http", "router")  # they call only the public API
+    token = None if public_only else read_secret(INTERNAL_TOKEN_ENV, args.internal_token_file)
+    if token is None and not args.insecure_no_auth and not public_only:
         if args.kind != "all":
             raise UsageError(
                 f"{args.kind} service: no internal token: set ${INTERNAL_TOKEN_ENV} or --internal-token-file FILE "
                 f"(the same for the three services), or --insecure-no-auth to run without one"
             )
         token = secrets.token_urlsafe(32)  # this launch's: the children get it by environment
-    api_key = read_secret(API_KEY_ENV, args.api_key_file) if args.kind in ("scheduler", "http", "all") else None
+    api_key = (
+        read_secret(API_KEY_ENV, args.api_key_file) if args.kind in ("scheduler", "http", "router", "all") else None
+    )
     return Credentials(token, api_key)
 
 
@@ -306,6 +259,10 @@ async def _serve_one(kind: str, config, creds: Credentials) -> None:
 
         s = config.scheduler
         await serve_model(config.model, s.max_num_seqs, creds.internal_token, async_scheduling=s.async_scheduling)
+    elif kind == "router":
+        from router_svc.server import serve as serve_router
+
+        await serve_router(config, creds)
     else:
         from scheduler_svc.server import serve as serve_scheduler
 

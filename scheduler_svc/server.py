@@ -131,9 +131,10 @@ _STALL_POLL_S = 0.5
 
 
 class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
-    def __init__(self, config: SchedulerSection, metrics: SchedulerMetrics | None = None) -> None:
+    def __init__(self, config: SchedulerSection, metrics: SchedulerMetrics | None = None, replica_id: str = "") -> None:
         self.config = config
         self.metrics = metrics
+        self.replica_id = replica_id  # the prefix index's name for this replica (GetLoad); "" = none
         self.llm: EngineClient | None = None
         self.active: set[str] = set()
         self.draining = False
@@ -284,6 +285,20 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         assert self.llm.info is not None  # start() has read it
         return model_info_to_pb(self.llm.info)
 
+    async def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.GetLoadResponse:
+        """UNAVAILABLE whenever health is not SERVING: a router takes the replica out."""
+        llm = self._ready()
+        if self.monitor is not None and self.monitor.unreachable_for() >= self.config.peer_down_after_s:
+            raise ServerUnavailable(PEERS_UNAVAILABLE)
+        stats = llm.stats
+        return pb.GetLoadResponse(
+            num_waiting=max(0, len(self.active) - stats.num_running - stats.num_swapped),
+            num_running=stats.num_running,
+            num_swapped=stats.num_swapped,
+            kv_usage=stats.device_usage,
+            replica_id=self.replica_id,
+        )
+
     async def drain(self, timeout: float) -> None:
         """Refuse new requests; wait for the in-flight ones (bounded), then abort the rest."""
         self.draining = True
@@ -332,7 +347,7 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
     s = config.scheduler
     creds = credentials or Credentials()
     metrics = SchedulerMetrics(lambda: servicer.llm.stats if servicer.llm is not None else None)
-    servicer = SchedulerServicer(s, metrics)
+    servicer = SchedulerServicer(s, metrics, config.kvcache.deployment if config.kvcache.publish_prefixes else "")
     # The public server's own message limit, far below the internal services' (gRPC refuses a
     # larger request with RESOURCE_EXHAUSTED before any of it is parsed).
     running = await start_server(

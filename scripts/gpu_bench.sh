@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU results of bench/results/ in parts that each fit one ten-minute run.
-# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|h|s|u|all]
+# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|h|s|u|r|all]
 #   a: GPU tests and numerics, greedy parity (bf16 Qwen3-0.6B shape), per-phase device times
 #      (B=1 and B=256), host profile of the engine step
 #   b: headline throughput embedded + service mode (with the parity check), batch-1 latency,
@@ -16,6 +16,7 @@
 #   s: the service as users call it: streaming gRPC (256 and 8 streams) and HTTP vs embedded
 #   u: the user path: LLM(model=dir) with defaults and the real Qwen2 tokenizer (then the
 #      in-memory row); detokenization's cost on this host's CPU, both decode paths
+#   r: two replicas behind the router vs round-robin vs one engine (needs redis-server)
 #   d: transformers' continuous batching on the headline workload (BENCHMARKS.md: ~618 tok/s)
 set -uo pipefail
 out="${1:-bench/results}"
@@ -87,6 +88,9 @@ fi
 if has s; then  # the service through its public APIs, each against embedded or gRPC in the same run
   run serve 330 python bench/serve.py --model qwen3-0.6b --device cuda --clients 4 --out "$out/serve_h200.md"
   run http-vs-grpc 250 python bench/http_vs_grpc.py --model qwen3-0.6b --device cuda --repeats 2 --out "$out/http_vs_grpc_h200.md"
+fi
+if has r; then  # replicas sharing the GPU behind the router, on the multi-tenant workload
+  TAIL=12 run router 560 python bench/router.py --model qwen3-0.6b --device cuda --out "$out/router_h200.md"
 fi
 if has d; then
   run throughput-hf-peer 500 python bench/throughput.py --no-user-path --peer hf --out "$out/throughput_h200_hf_peer.md"

@@ -1,7 +1,8 @@
 """The layers of the product, read from its import statements (with ast: nothing is imported).
 
     entry points    scheduler_svc.cli and its subcommand modules (serve_cli starts every
-                    service), http_svc (the gateway: a client of the public API)
+                    service), http_svc (the gateway: a client of the public API), router_svc
+                    (the router: the public API in front of several replicas)
     scheduler_svc   requests, policy, the engine; the KV cache and the model through their
                     clients (kvcache_svc.client, model_svc.client) or, embedded, in process
     kvcache_svc, model_svc
@@ -27,8 +28,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("contracts", "scheduler_svc", "kvcache_svc", "model_svc", "http_svc", "kernels", "protos")
-SERVICES = ("scheduler_svc", "kvcache_svc", "model_svc", "http_svc")
+PACKAGES = ("contracts", "scheduler_svc", "kvcache_svc", "model_svc", "http_svc", "router_svc", "kernels", "protos")
+SERVICES = ("scheduler_svc", "kvcache_svc", "model_svc", "http_svc", "router_svc")
 # What each package may import besides itself: the layers below it.
 ALLOWED = {
     "contracts": {"protos"},
@@ -38,18 +39,20 @@ ALLOWED = {
     "model_svc": {"contracts", "protos", "kernels"},
     "scheduler_svc": {"contracts", "protos", "kvcache_svc", "model_svc"},
     "http_svc": {"contracts", "protos"},
+    "router_svc": {"contracts", "protos"},
 }
 # (module, package) pairs allowed beyond ALLOWED, each with its reason.
 EXCEPTIONS = {
     # `picovllm serve all|http` starts the gateway and waits for its health: the one entry point
     # that starts every service imports each of them, inside the functions that start them.
     ("scheduler_svc.serve_cli", "http_svc"): "serve_cli starts the HTTP gateway",
+    ("scheduler_svc.serve_cli", "router_svc"): "serve_cli starts the router",
 }
 # Folders of a source checkout that are not installed: product code never imports them
 # (scheduler_svc.bench_cli loads bench/ by path when a bench command runs, from a checkout).
 UNPACKAGED = ("bench", "tests", "loadtest", "scripts", "compose")
 # The layers the torch-free scheduler process imports: they must not name torch at all.
-TORCH_FREE = ("contracts", "kvcache_svc")
+TORCH_FREE = ("contracts", "kvcache_svc", "router_svc")
 TORCH = ("torch", "triton", "transformers")
 
 
@@ -199,10 +202,11 @@ def test_cycle_finder_finds_cycles():
 
 def test_scheduler_service_imports_no_torch():
     """The scheduler service's entry point, its engine for service mode, both clients and the
-    tokenizer it loads, in a fresh interpreter."""
+    tokenizer it loads, and the router, in a fresh interpreter."""
     code = (
         "import sys\n"
         "import scheduler_svc.server, scheduler_svc.remote_engine, kvcache_svc.client, model_svc.client\n"
+        "import router_svc.server\n"
         "from contracts.service_config import BUNDLED_MODEL\n"
         "from contracts.tokenizer import load_tokenizer\n"
         "tok = load_tokenizer(BUNDLED_MODEL)\n"

@@ -56,9 +56,10 @@ def compose() -> dict:
 def test_deployment_rules(compose):
     services = compose["services"]
     assert set(services) >= {"redis", "kvcache", "model", "model-cpu", "scheduler", "http"}
-    # Only the scheduler (its gRPC endpoint and metrics) and the HTTP gateway publish ports.
+    # Only the scheduler (its gRPC endpoint and metrics), the HTTP gateway and the router publish ports.
     published = {name for name, svc in services.items() if svc.get("ports")}
-    assert published == {"scheduler", "http"}
+    assert published == {"scheduler", "http", "router"}
+    assert {p.split(":")[-1] for p in services["router"]["ports"]} == {"50050", "9410"}
     assert {p.split(":")[-1] for p in services["scheduler"]["ports"]} == {"50051", "9400"}
     assert [p.split(":")[-1] for p in services["http"]["ports"]] == ["8000"]
     assert all(
@@ -80,6 +81,39 @@ def test_deployment_rules(compose):
     assert services["kvcache"]["depends_on"]["redis"]["condition"] == "service_healthy"
     for name in ("model", "model-cpu", "http"):
         assert all(v.endswith(":ro") for v in services[name]["volumes"])
+
+
+def test_fleet_profiles_put_two_replicas_behind_the_router(compose):
+    services = compose["services"]
+    for profile, suffix in (("fleet", ""), ("fleet-cpu", "-cpu")):
+        replicas = [f"replica-{i}{suffix}" for i in (1, 2)]
+        assert all(services[r]["profiles"] == [profile] for r in replicas)
+        assert profile in services["router"]["profiles"]
+        ids = set()
+        for r in replicas:
+            svc = services[r]
+            assert svc["command"][:2] == ["serve", "all"] and "--publish-prefixes" in svc["command"]
+            assert svc["environment"]["PICOVLLM_SCHEDULER_ADDR"].endswith(":50051")
+            assert "@redis:6379" in svc["environment"]["PICOVLLM_REDIS_URL"]
+            assert "PICOVLLM_INTERNAL_TOKEN" not in svc["environment"]  # its own, made by serve all
+            ids.add(svc["environment"]["PICOVLLM_DEPLOYMENT"])
+        assert ids == {"replica-1", "replica-2"}  # one prefix index each
+    assert [
+        services[f"replica-{i}"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for i in (1, 2)
+    ] == [["0"], ["1"]]
+    assert all("deploy" not in services[f"replica-{i}-cpu"] for i in (1, 2))
+    assert [services[f"replica-{i}-cpu"]["networks"]["default"]["aliases"] for i in (1, 2)] == [
+        ["replica-1"],
+        ["replica-2"],
+    ]
+    router = services["router"]
+    assert router["command"][:2] == ["serve", "router"]
+    assert router["environment"]["PICOVLLM_REPLICAS"] == "replica-1:50051,replica-2:50051"
+    # The router calls only the public API: the API key and the index's Redis, no internal token.
+    assert set(router["environment"]) & {"PICOVLLM_API_KEY", "PICOVLLM_INTERNAL_TOKEN", "PICOVLLM_REDIS_URL"} == {
+        "PICOVLLM_API_KEY",
+        "PICOVLLM_REDIS_URL",
+    }
 
 
 def _strings(value) -> list[str]:

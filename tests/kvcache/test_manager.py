@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import kvcache_svc.manager as manager_mod
+from contracts import block_hash as hashing
 from kvcache_svc import Allocated, Appended, KVCacheManager, NoFreeBlocks, PrefixHit, Tier, hash_block
 from kvcache_svc.block_pool import BlockOpError
 
@@ -108,7 +108,7 @@ def test_hit_only_on_full_blocks():
 
 def test_hash_collision_compares_tokens(monkeypatch):
     """Every block hashes the same: the token comparison must stop a wrong reuse."""
-    monkeypatch.setattr(manager_mod, "_chain_bytes", lambda data, width, parent, key: iter([42] * (len(data) // width)))
+    monkeypatch.setattr(hashing, "chain_bytes", lambda data, width, parent, key: iter([42] * (len(data) // width)))
     mgr = make()
     a = run_prompt(mgr, "a", [1, 2, 3, 4, 5])
     assert mgr.device.hash_to_block == {42: a.block_ids[0]}
@@ -154,8 +154,8 @@ def test_chain_hashes_equal_hash_block_one_by_one():
     for i in range(2, 9):
         chain = hash_block(chain, tuple(tokens[i * 4 : (i + 1) * 4]), "salt")
         expected.append(chain)
-    assert list(manager_mod.chain_hashes(tokens, 4, 2, 9, 7, "salt")) == expected
-    assert list(manager_mod.chain_hashes(tokens, 4, 3, 3, 7, None)) == []
+    assert list(hashing.chain_hashes(tokens, 4, 2, 9, 7, "salt")) == expected
+    assert list(hashing.chain_hashes(tokens, 4, 3, 3, 7, None)) == []
 
 
 def test_hash_block_is_chained_and_stable():

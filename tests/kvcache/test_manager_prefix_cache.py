@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import kvcache_svc.manager as manager_mod
+from contracts import block_hash as hashing
 from kvcache_svc import Appended
 
 from .common import make, run_prompt
@@ -152,7 +152,7 @@ def test_duplicate_content_keeps_one_canonical_block():
     "under a hash collision a block computed after a different prefix can be reused",
 )
 def test_collision_with_different_parent_is_not_reused(monkeypatch):
-    monkeypatch.setattr(manager_mod, "_chain_bytes", lambda data, width, parent, key: iter([42] * (len(data) // width)))
+    monkeypatch.setattr(hashing, "chain_bytes", lambda data, width, parent, key: iter([42] * (len(data) // width)))
     mgr = make()
     a = run_prompt(mgr, "a", [1, 2, 3, 4, 5])  # block (1, 2, 3, 4) computed at positions 0..3
     hit = mgr.match_prefix([1, 2, 3, 4, 1, 2, 3, 4, 5])
@@ -186,14 +186,14 @@ def test_prompts_sharing_a_prefix_hash_it_once(monkeypatch):
     looked up: a burst of requests with one system prompt hashes it once. The hits are those
     of a manager that hashes everything anew."""
     hashed = []
-    real = manager_mod._chain_bytes
+    real = hashing.chain_bytes
 
     def counting(data, width, parent, key):
         for h in real(data, width, parent, key):
             hashed.append(h)
             yield h
 
-    monkeypatch.setattr(manager_mod, "_chain_bytes", counting)
+    monkeypatch.setattr(hashing, "chain_bytes", counting)
     mgr = make(num_device=64)
     system = list(range(1000, 1024))  # 6 blocks of 4
     run_prompt(mgr, "warm", system + [1, 2, 3, 4, 5])

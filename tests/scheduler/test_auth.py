@@ -125,6 +125,7 @@ def _args(**kw) -> argparse.Namespace:
         no_prefix_caching=False,
         async_scheduling=None,
         insecure_no_auth=False,
+        publish_prefixes=False,
     )
     values.update(kw)
     return argparse.Namespace(**values)

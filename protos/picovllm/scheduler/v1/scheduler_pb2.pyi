@@ -157,3 +157,21 @@ class GetModelInfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     enable_prefix_caching: bool
     def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetLoadResponse(_message.Message):
+    __slots__ = ("num_waiting", "num_running", "num_swapped", "kv_usage", "replica_id")
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    kv_usage: float
+    replica_id: str
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., kv_usage: _Optional[float] = ..., replica_id: _Optional[str] = ...) -> None: ...

@@ -50,6 +50,11 @@ class SchedulerServiceStub:
                 request_serializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/picovllm.scheduler.v1.SchedulerService/GetLoad',
+                request_serializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetLoadResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -81,6 +86,13 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """How busy the server is now (a router's load signal); UNAVAILABLE while it cannot serve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +110,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.FromString,
                     response_serializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetLoadRequest.FromString,
+                    response_serializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +199,33 @@ class SchedulerService:
             '/picovllm.scheduler.v1.SchedulerService/GetModelInfo',
             protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.SerializeToString,
             protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/picovllm.scheduler.v1.SchedulerService/GetLoad',
+            protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetLoadRequest.SerializeToString,
+            protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
