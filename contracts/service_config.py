@@ -55,6 +55,17 @@ def check_preemption_mode(name: str, value: str) -> None:
         raise ValueError(f"{name} must be 'swap' or 'recompute', got {value!r}")
 
 
+def check_tensor_parallel(prefix: str, size: Any, master_addr: Any, master_port: Any) -> None:
+    """The one check of the tensor-parallel settings, for the model section and the embedded
+    engine's config (whether the model's heads split that way is the model runner's check)."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"{prefix}tensor_parallel_size must be a positive integer, got {size!r}")
+    if not isinstance(master_addr, str) or not master_addr:
+        raise ValueError(f"{prefix}tp_master_addr must be a host name or address, got {master_addr!r}")
+    if master_port is not None and (not isinstance(master_port, int) or not 0 < master_port < 65536):
+        raise ValueError(f"{prefix}tp_master_port must be a port number or None, got {master_port!r}")
+
+
 def _positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -152,9 +163,13 @@ class ModelSection:
     max_num_batched_tokens: int = 8192
     torch_threads: int | None = None  # CPU threads for torch; None: one for a small model, else one per core
     enforce_eager: bool = False  # True: no CUDA graphs
+    tensor_parallel_size: int = 1  # ranks (devices) the model is split over
+    tp_master_addr: str = "127.0.0.1"  # where the ranks rendezvous (rank 0's host)
+    tp_master_port: int | None = None  # None: a free port
 
     def __post_init__(self) -> None:
         _check_address("model.address", self.address)
+        check_tensor_parallel("model.", self.tensor_parallel_size, self.tp_master_addr, self.tp_master_port)
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
             raise ValueError(f"model.block_size must be a power of two, got {bs!r}")

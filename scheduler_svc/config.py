@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.service_config import BUNDLED_MODEL, check_preemption_mode
+from contracts.service_config import BUNDLED_MODEL, check_preemption_mode, check_tensor_parallel
 
 # Hugging Face's repo id forms, "name" or "namespace/name"; anything else is a path.
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -65,6 +65,11 @@ class EngineConfig:
     async_scheduling: bool | None = None
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks)
     torch_threads: int | None = None  # CPU threads for torch; None: one for a small model, else one per core
+    # The model split over this many ranks, one process (and device) each (docs/TENSOR_PARALLEL.md);
+    # the ranks rendezvous at tp_master_addr:tp_master_port (None: a free port).
+    tensor_parallel_size: int = 1
+    tp_master_addr: str = "127.0.0.1"
+    tp_master_port: int | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -81,6 +86,7 @@ class EngineConfig:
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
         check_preemption_mode("preemption_mode", self.preemption_mode)
+        check_tensor_parallel("", self.tensor_parallel_size, self.tp_master_addr, self.tp_master_port)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
