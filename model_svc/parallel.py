@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from contracts.errors import ModelLost
 from contracts.step import StepInput
 from kernels.ops import KernelOps
 from model_svc.config import ModelConfig
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(ModelLost):
     """A rank of the tensor-parallel group died or cannot be reached: the group is unusable."""
 
 
@@ -61,6 +62,7 @@ class TPGroup:
         self.cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
         self.failure: str | None = None  # set by whoever learns that a rank died (tp_launch)
         self.stop_ranks: Callable[[], None] | None = None  # rank 0: ends the other ranks (tp_launch)
+        self.rank_pids: list[int] = []  # rank 0: the other ranks' processes, by rank
         if device.type == "cuda":  # the communicator exists before any CUDA graph captures a collective
             self.all_reduce(torch.zeros(1, device=device))
 

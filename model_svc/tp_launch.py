@@ -71,6 +71,7 @@ def start_ranks(s: RunnerSettings, on_failure: Callable[[str], None] | None = No
         _kill(ranks.procs)
         raise
     tp.stop_ranks = functools.partial(_stop, tp, ranks)
+    tp.rank_pids = [p.pid for p in ranks.procs]
     failed = threading.Event()  # the first rank to exit fails the group, once
     for rank, proc in enumerate(ranks.procs, start=1):
         args = (tp, ranks, rank, proc, failed, on_failure)
