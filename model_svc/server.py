@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from protos.picovllm.model.v1 import model_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelService"].full_name
+RANK_LOST_EXIT_CODE = 3  # the process's status when a tensor-parallel rank died
 
 
 class EpochMismatch(FailedPrecondition):
@@ -54,7 +56,12 @@ class ModelService:
         settings = RunnerSettings.of(
             self.config, max_num_seqs=self.max_num_seqs, async_scheduling=self.async_scheduling
         )
-        self.runner = build_runner(settings)
+        self.runner = build_runner(settings, on_failure=_rank_lost)
+
+    def close(self) -> None:
+        """Stop the runner's other ranks (tensor parallel), on the thread that runs its steps."""
+        if self.runner is not None:
+            self.runner.close()
 
     def info(self) -> ModelInfo:
         r = self._ready()
@@ -84,6 +91,15 @@ class ModelService:
         if self.runner is None:
             raise Unavailable("the model is still loading")
         return self.runner
+
+
+def _rank_lost(message: str) -> None:
+    """A tensor-parallel rank died: the KV tensors are incomplete and a collective may never
+    return, so the process ends now. The scheduler sees the model service go and come back
+    with a new epoch once a supervisor restarts it, as after any model-service crash."""
+    logger.critical("%s; the model service exits", message)
+    logging.shutdown()
+    os._exit(RANK_LOST_EXIT_CODE)
 
 
 class ModelServicer(pb_grpc.ModelServiceServicer):
@@ -217,4 +233,6 @@ async def serve(
         await stopped
     await running.set_serving(False)
     await running.server.stop(grace=5)
+    if load.done() and load.exception() is None:
+        await asyncio.get_running_loop().run_in_executor(executor, service.close)
     executor.shutdown(wait=False, cancel_futures=True)

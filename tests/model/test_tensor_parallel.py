@@ -21,23 +21,23 @@ from model_svc.parallel import TensorParallelError, kv_heads_of_rank, shard_conf
 from scheduler_svc import LLM, SamplingParams
 from tests.model.tiny_models import make_tiny_hf_model
 
-GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def _prompts(seed: int) -> list[list[int]]:
     """Prompts sharing a 40-token prefix (prefix-cache hits) and some without, of odd lengths."""
     rng = random.Random(seed)
     shared = [rng.randrange(3, 512) for _ in range(40)]
-    return [shared + [rng.randrange(3, 512) for _ in range(n)] for n in (1, 9, 23)] + [
-        [rng.randrange(3, 512) for _ in range(n)] for n in (5, 16, 33, 50)
+    return [shared + [rng.randrange(3, 512) for _ in range(n)] for n in (1, 23)] + [
+        [rng.randrange(3, 512) for _ in range(n)] for n in (5, 33, 50)
     ]
 
 
 def _run(model: str, prompts: list[list[int]], tp: int) -> tuple[list[list[int]], LLM]:
-    # A quarter of what the batch needs at its peak: swap preemption must happen.
+    # About half of what the batch needs at its peak: swap preemption must happen.
     llm = LLM(
         model,
-        num_gpu_blocks=24,
+        num_gpu_blocks=10,
         num_cpu_blocks=200,
         preemption_mode="swap",
         enable_prefix_caching=True,
@@ -97,10 +97,10 @@ def test_rank_killed_fails_with_a_clear_error_and_leaves_no_process():
 
 
 def test_close_stops_every_rank():
-    llm = LLM(num_gpu_blocks=64, num_cpu_blocks=16, device="cpu", tensor_parallel_size=4)
+    llm = LLM(num_gpu_blocks=64, num_cpu_blocks=16, device="cpu", tensor_parallel_size=2)
     runner = llm.engine.model
     pids = runner.tp.rank_pids
-    assert len(pids) == 3
+    assert len(pids) == 1
     runner.close()
     for pid in pids:
         _assert_gone(pid)
