@@ -65,6 +65,19 @@ class TPGroup:
         self.rank_pids: list[int] = []  # rank 0: the other ranks' processes, by rank
         if device.type == "cuda":  # the communicator exists before any CUDA graph captures a collective
             self.all_reduce(torch.zeros(1, device=device))
+        self._share_rng()
+
+    def _share_rng(self) -> None:
+        """Every rank's default generators (CPU, and this rank's device) take rank 0's state:
+        the ranks run the same work in the same order from here, so their samplers draw the
+        same numbers and sample the same tokens from the same gathered logits."""
+        cuda = self.device.type == "cuda"
+        box = [(torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None)]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        cpu_state, device_state = box[0]
+        torch.set_rng_state(cpu_state)
+        if device_state is not None:
+            torch.cuda.set_rng_state(device_state, self.device)
 
     # ------------------------------------------------------------- the model's collectives
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

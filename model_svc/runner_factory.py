@@ -76,7 +76,8 @@ def build_runner(
     if tp is None and s.tensor_parallel_size > 1:
         from model_svc.tp_launch import start_ranks
 
-        tp = start_ranks(s, on_failure)
+        build = functools.partial(build_runner, s)  # what each started rank runs, on its group
+        tp = start_ranks(s.tensor_parallel_size, s.tp_master_addr, s.tp_master_port, s.device, build, on_failure)
 
     return ModelRunner(
         s.model,

@@ -36,7 +36,10 @@ from model_svc.parallel import TPGroup, free_port
 
 if TYPE_CHECKING:
     from model_svc.runner import ModelRunner
-    from model_svc.runner_factory import RunnerSettings
+
+# Builds a rank's runner on its group: picklable (a started rank receives it), e.g.
+# functools.partial(runner_factory.build_runner, settings).
+BuildRunner = Callable[[TPGroup], "ModelRunner"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +62,21 @@ class _Ranks:
     stopping: bool = False
 
 
-def start_ranks(s: RunnerSettings, on_failure: Callable[[str], None] | None = None) -> TPGroup:
-    """Start ranks 1..N-1, join the group as rank 0 and return its TPGroup."""
-    size = s.tensor_parallel_size
-    port = s.tp_master_port or free_port(s.tp_master_addr)
-    s = dataclasses.replace(s, tp_master_port=port)
-    ranks = _Ranks([_spawn(rank, s) for rank in range(1, size)])
+def start_ranks(
+    size: int,
+    master_addr: str,
+    master_port: int | None,
+    device: str | None,
+    build: BuildRunner,
+    on_failure: Callable[[str], None] | None = None,
+) -> TPGroup:
+    """Start ranks 1..size-1 (each runs build(its group), then serve_steps), join the group
+    as rank 0 and return its TPGroup. master_port None: a free port."""
+    port = master_port or free_port(master_addr)
+    rendezvous = (size, master_addr, port, device)
+    ranks = _Ranks([_spawn(rank, rendezvous, build) for rank in range(1, size)])
     try:
-        tp = TPGroup(0, size, s.tp_master_addr, port, rank_device(s.device, 0))
+        tp = TPGroup(0, size, master_addr, port, rank_device(device, 0))
     except BaseException:
         _kill(ranks.procs)
         raise
@@ -76,19 +86,19 @@ def start_ranks(s: RunnerSettings, on_failure: Callable[[str], None] | None = No
     for rank, proc in enumerate(ranks.procs, start=1):
         args = (tp, ranks, rank, proc, failed, on_failure)
         threading.Thread(target=_watch, args=args, name=f"tp-watch-{rank}", daemon=True).start()
-    logger.info("tensor parallel: %d ranks, rendezvous %s:%d", size, s.tp_master_addr, port)
+    logger.info("tensor parallel: %d ranks, rendezvous %s:%d", size, master_addr, port)
     return tp
 
 
-def _spawn(rank: int, s: RunnerSettings) -> subprocess.Popen:
+def _spawn(rank: int, rendezvous: tuple[int, str, int, str | None], build: BuildRunner) -> subprocess.Popen:
     """A fresh interpreter (no fork of a process that may hold CUDA, and no re-import of the
-    caller's main module) that reads its rank and settings from its stdin."""
+    caller's main module) that reads its rank, the rendezvous and `build` from its stdin."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)  # where model_svc lives
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.Popen([sys.executable, "-m", "model_svc.tp_launch"], stdin=subprocess.PIPE, env=env)
     assert proc.stdin is not None
-    proc.stdin.write(pickle.dumps((rank, s, os.getpid())))
+    proc.stdin.write(pickle.dumps((rank, rendezvous, build, os.getpid())))
     proc.stdin.close()
     return proc
 
@@ -136,14 +146,11 @@ def _watch(
         on_failure(message)
 
 
-def _rank_main(rank: int, s: RunnerSettings, parent_pid: int) -> None:
+def _rank_main(rank: int, rendezvous: tuple[int, str, int, str | None], build: BuildRunner, parent_pid: int) -> None:
     """A started rank: join the group, build the runner on this rank's shard, run the steps."""
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    from model_svc.runner_factory import build_runner
-
-    assert s.tp_master_port is not None, "start_ranks picks the port"
-    tp = TPGroup(rank, s.tensor_parallel_size, s.tp_master_addr, s.tp_master_port, rank_device(s.device, rank))
-    serve_steps(build_runner(s, tp))
+    size, master_addr, master_port, device = rendezvous
+    serve_steps(build(TPGroup(rank, size, master_addr, master_port, rank_device(device, rank))))
 
 
 def _exit_with_parent(parent_pid: int) -> None:

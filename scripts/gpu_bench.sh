@@ -13,6 +13,8 @@
 #      comparison), service mode (pipelined, with the parity check)
 #   g: batch-1 latency, swap vs recompute, prefix caching
 #   d: transformers' continuous batching on the headline workload (BENCHMARKS.md: ~618 tok/s)
+#   t: tensor parallelism on 4 GPUs (not in `all`): the multi-GPU tests, greedy parity and
+#      throughput of TP=1,2,4 on the headline shape (CUDA graphs, and eager) and an 8B-class shape
 set -uo pipefail
 out="${1:-bench/results}"
 part="${2:-all}"
@@ -71,6 +73,13 @@ if has g; then  # the rest of a session's figures: batch-1 latency, swap, prefix
   run latency 70 python bench/latency.py --out "$out/latency_h200.md"
   run swap 90 python bench/swap.py --out "$out/swap_h200.md"
   run prefix 120 python bench/prefix.py --out "$out/prefix_h200.md"
+fi
+if [ "$part" = t ]; then  # needs 4 GPUs of one host; NVLink SHARP (NVLS) off
+  export NCCL_NVLS_ENABLE=0
+  run gpu-tests-tp 300 python -m pytest -q -m gpu tests/model/test_tensor_parallel.py -x
+  run tp 420 python bench/tp.py --out "$out/tp_h200.md"
+  run tp-eager 420 python bench/tp.py --enforce-eager --num-seqs 64 --out "$out/tp_h200_eager.md"
+  run tp-8b 580 python bench/tp.py --model qwen3-8b --num-seqs 128 --out "$out/tp_8b_h200.md"
 fi
 if has d; then
   run throughput-hf-peer 500 python bench/throughput.py --peer hf --out "$out/throughput_h200_hf_peer.md"

@@ -173,3 +173,22 @@ def test_shard_weights_slices_reassemble_the_model():
     assert embed.shape == (12, 16) and torch.equal(embed[:10], whole["model.embed_tokens.weight"])
     assert not embed[10:].any()
     assert all(torch.equal(s["model.norm.weight"], whole["model.norm.weight"]) for s in shards)
+
+
+# ------------------------------------------------------------------ GPUs (NCCL, CUDA graphs)
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_greedy_equals_single_rank_with_graphs(tmp_path):
+    """fp32 on the Triton kernels with the decode and prefill CUDA graphs (their all-reduces
+    captured), overlapped scheduling: TP=2 equals TP=1 token for token."""
+    model = str(make_tiny_hf_model(tmp_path, "qwen3"))
+    prompts = _prompts(seed=3)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(model, dtype="float32", device="cuda", num_gpu_blocks=64, num_cpu_blocks=64, tensor_parallel_size=tp)
+        try:
+            assert llm.engine.model.graphs is not None
+            outs.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
+        finally:
+            llm.engine.model.close()
+    assert outs[0] == outs[1]
