@@ -193,6 +193,13 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0.0))
 
 
+def vocab_embedding(vocab_size: int, hidden_size: int, tp: TPGroup | None) -> nn.Embedding | VocabParallelEmbedding:
+    """The token embedding: an nn.Embedding, or with ranks this rank's VocabParallelEmbedding."""
+    if tp is None:
+        return nn.Embedding(vocab_size, hidden_size)
+    return VocabParallelEmbedding(vocab_size, hidden_size, tp)
+
+
 # ---------------------------------------------------------------------- checkpoint slicing
 # HF module name -> how its weight is split: rows of q heads / KV heads / MLP columns, the
 # input columns of a row-parallel projection, or rows of the vocabulary.

@@ -32,7 +32,7 @@ from model_svc.layers import (
     gemv_kernels,
     triton_module,
 )
-from model_svc.parallel import TPGroup, VocabParallelEmbedding, output_linear, vocab_rows
+from model_svc.parallel import TPGroup, output_linear, vocab_embedding, vocab_rows
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -298,11 +298,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp
-        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
-            nn.Embedding(config.vocab_size, config.hidden_size)
-            if tp is None
-            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        )
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.fused = fused_kernels(ops) is not None
@@ -392,7 +388,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, ops, tp)
         self.lm_head = None  # tied: logits use the embedding matrix
         if not config.tie_word_embeddings:
-            rows = config.vocab_size if tp is None else vocab_rows(config.vocab_size, tp.size)
+            rows = vocab_rows(config.vocab_size, tp.size if tp is not None else 1)  # this rank's
             self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
 
     @property
