@@ -2,7 +2,7 @@
 embedded mode; kill -9 of rank 1 mid-generation ends the model service with a clear error
 (its process exits, its other rank with it) and, once restarted, every request completes
 with the undisturbed tokens (recomputed, as after any model-service crash); a kill -9 of
-the model service itself leaves no rank process behind."""
+the model service itself leaves no rank process behind, and SIGTERM stops its ranks."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from model_svc.server import RANK_LOST_EXIT_CODE
-from tests.services.conftest import PROMPTS, Stack, generate_all, wait_for
+from tests.services.conftest import PROMPTS, ServiceProcess, Stack, free_port, generate_all, wait_for
 from tests.services.test_service_failures import LONG, STREAM_PROMPTS, Streams
 
 
@@ -31,9 +31,12 @@ def stack(tmp_path_factory):
 
 
 def _ranks(stack: Stack) -> list[psutil.Process]:
-    """The model service's rank processes (its children running model_svc.tp_launch)."""
-    model = psutil.Process(stack.procs["model"].proc.pid)
-    return [c for c in model.children() if "model_svc.tp_launch" in " ".join(c.cmdline())]
+    return _children_ranks(stack.procs["model"].proc.pid)
+
+
+def _children_ranks(pid: int) -> list[psutil.Process]:
+    """A model service's rank processes (its children running model_svc.tp_launch)."""
+    return [c for c in psutil.Process(pid).children() if "model_svc.tp_launch" in " ".join(c.cmdline())]
 
 
 def test_generate_equals_embedded(stack, embedded):
@@ -67,3 +70,19 @@ def test_model_service_kill9_leaves_no_rank(stack):  # the last test: it leaves 
     while any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks):
         assert time.monotonic() < deadline, "a rank outlived the model service"
         time.sleep(0.1)
+
+
+def test_sigterm_stops_the_ranks_with_the_service(tmp_path):
+    from contracts.health import check_health
+
+    addr = f"127.0.0.1:{free_port()}"
+    args = ["--model-addr", addr, "--device", "cpu", "--num-gpu-blocks", "64", "--tensor-parallel-size", "2"]
+    model = ServiceProcess("model", args, tmp_path)
+    try:
+        wait_for(lambda: check_health(addr, timeout=0.5), 120, "model service", model.proc)
+        ranks = _children_ranks(model.proc.pid)
+        assert len(ranks) == 1
+        assert model.terminate(timeout=30) == 0
+        assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+    finally:
+        model.kill()
