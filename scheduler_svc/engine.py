@@ -228,7 +228,7 @@ class LLMEngine:
         self._next = None
         inp = sched.step
         outputs: list[RequestOutput] = []
-        if self._inflight and any(s.request.sampling.has_penalties for s in sched.scheduled):
+        if self._inflight and any(req.sampling.has_penalties for req, _ in sched.scheduled()):
             outputs += self._drain(0)  # penalties read the token history: no overlap this step
         launched = None
         if not inp.is_empty():
@@ -284,9 +284,8 @@ class LLMEngine:
         sampled = {t.seq_id: t for t in result.sampled}
         outputs = []
         now = time.monotonic()
-        for s in sched.scheduled:
-            req = s.request
-            if not s.sample or req.finished:
+        for req, seq in sched.scheduled():
+            if not seq.sample or req.finished:
                 continue
             try:
                 out = self._process_one(req, sampled[req.request_id], now)
@@ -370,7 +369,7 @@ class LLMEngine:
         assert sched is not None
         self._abandon_inflight()
         seq_id = failed_seq_id(exc)
-        in_step = [s.request for s in sched.scheduled if not s.request.finished]
+        in_step = [req for req, _ in sched.scheduled() if not req.finished]
         culprits = [r for r in in_step if r.request_id == seq_id] or in_step
         logger.error(
             "a model step failed (%s); failing %s, recomputing the other requests",

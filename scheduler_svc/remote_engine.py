@@ -133,7 +133,7 @@ class ServiceEngine(LLMEngine):
                 self._recompute_after_restart()
             sched = self._pending or self.scheduler.schedule()
             self._pending = sched
-            _drop_finished(sched)
+            sched.drop_finished()
             timeout = self._timeout(sched)
             inp = sched.step
             if inp.is_empty():
@@ -177,7 +177,7 @@ class ServiceEngine(LLMEngine):
             if self._restarted:
                 self._recompute_after_restart()
             if self._next is not None:
-                _drop_finished(self._next)  # aborted since it was scheduled
+                self._next.drop_finished()  # aborted since it was scheduled
             return self._step_overlapped()
         except (ModelRestarted, ModelUnavailable, KVUnavailable, KVOutOfSync) as exc:
             self._abandon_pipeline(exc)
@@ -245,7 +245,7 @@ class ServiceEngine(LLMEngine):
     def _timeout(self, sched: SchedulerOutput) -> float | None:
         """The time left of the latest client deadline among the step's requests (None when
         one of them has none): the internal calls may not take longer than that."""
-        deadlines = [self.deadlines.get(s.request.request_id) for s in sched.scheduled]  # the front end edits the dict
+        deadlines = [self.deadlines.get(seq.seq_id) for seq in sched.step.seqs]  # the front end edits the dict
         known = [d for d in deadlines if d is not None]
         if not known or len(known) < len(deadlines):
             return None
@@ -278,16 +278,6 @@ class ServiceEngine(LLMEngine):
         for seq_id in list(self.kv.seqs):
             self.kv.free(seq_id)
         self.num_recoveries += 1
-
-
-def _drop_finished(sched: SchedulerOutput) -> None:
-    """A step kept across a retry may hold requests aborted since: leave them out (their
-    blocks are freed by the abort; the model forgets them with the next step)."""
-    if all(not s.request.finished for s in sched.scheduled):
-        return
-    live = {s.request.request_id for s in sched.scheduled if not s.request.finished}
-    sched.scheduled = [s for s in sched.scheduled if s.request.request_id in live]
-    sched.step.seqs = [s for s in sched.step.seqs if s.seq_id in live]
 
 
 def build_service_engine(config: Any, skip_tokenizer_init: bool = False, token: str | None = None) -> ServiceEngine:

@@ -15,6 +15,7 @@ budget of the step.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from contracts.step import PLACEHOLDER, SeqStep, StepInput
@@ -34,20 +35,26 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
-class ScheduledSeq:
-    request: Request
-    num_new_tokens: int
-    sample: bool
-
-
-@dataclass(slots=True)
 class SchedulerOutput:
+    """One scheduled step: the step the model side gets, and the request behind each of its
+    sequences (a request is scheduled at most once a step)."""
+
     step: StepInput
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    requests: dict[str, Request] = field(default_factory=dict)  # seq_id -> request, for step.seqs
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(len(seq.token_ids) for seq in self.step.seqs)
+
+    def scheduled(self) -> Iterator[tuple[Request, SeqStep]]:
+        """The step's sequences in order, each with its request."""
+        requests = self.requests
+        for seq in self.step.seqs:
+            yield requests[seq.seq_id], seq
+
+    def drop_finished(self) -> None:
+        """Leave out the requests finished (aborted) since this step was scheduled."""
+        self.step.seqs = [seq for seq in self.step.seqs if not self.requests[seq.seq_id].finished]
 
 
 @dataclass(slots=True)
@@ -174,7 +181,7 @@ class Scheduler:
             seq.sampling, seq.prompt_token_ids = req.sampling, req.prompt_token_ids
             req.sent_sampling = True
         out.step.seqs.append(seq)
-        out.scheduled.append(ScheduledSeq(req, num_new, sample))
+        out.requests[req.request_id] = req
 
     def _preempt(self, req: Request, step: StepInput) -> None:
         self.running.remove(req)
@@ -262,10 +269,9 @@ class Scheduler:
     # ----------------------------------------------------------------- results
     def update(self, out: SchedulerOutput) -> None:
         """Advance computed counts and register newly full blocks in the prefix cache."""
-        for s in out.scheduled:
-            req = s.request
+        for req, seq in out.scheduled():
             if req.finished:
                 continue
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += len(seq.token_ids)
             # Steps still in flight may have fed tokens not read back yet: only known tokens hash.
             self.kv.cache_blocks(req.request_id, req.token_ids, min(req.num_computed_tokens, req.num_tokens))

@@ -361,6 +361,13 @@ def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     code, ready = 0, False
+    ready_children: set[str] = set()  # each gets its drain time on a stop, even before all are up
+
+    def look() -> None:
+        ready_children.update(
+            k for k in children if k not in ready_children and _child_ready(k, _dial(addresses[k]), tls_root)
+        )
+
     while not stopping:
         exited = [(k, p.returncode) for k, p in children.items() if p.poll() is not None]
         if exited:
@@ -373,9 +380,9 @@ def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
                 )
             code = code if code > 0 else 1
             break
-        if not ready and all(
-            _child_ready(k, _dial(addresses[k]), tls_root) for k in reversed(CHILDREN) if k in children
-        ):
+        if not ready:
+            look()
+        if not ready and len(ready_children) == len(children):
             ready = True
             metrics = f", metrics http://{addresses['metrics']}/metrics" if "metrics" in addresses else ""
             gateway = f"HTTP API (OpenAI-compatible) http://{addresses['http']}/v1; " if "http" in addresses else ""
@@ -386,10 +393,14 @@ def serve_all(args: argparse.Namespace, config, creds: Credentials) -> int:
         time.sleep(0.2)
     # The gateway first (its requests in flight finish), then the scheduler drains while its
     # peers still run.
+    if not ready:  # a signal may come between a child's start and the loop's last look
+        look()
     for kind in ("http", "scheduler", "model", "kvcache"):
         if kind in children:
-            # A start-up that failed has nothing to drain: the operator gets the prompt back soon.
-            _stop(children[kind], timeout=(60 if kind in ("http", "scheduler") else 15) if ready else 3)
+            # A child that never came up has nothing to drain: the operator gets the prompt back soon.
+            _stop(
+                children[kind], timeout=(60 if kind in ("http", "scheduler") else 15) if kind in ready_children else 3
+            )
     return code
 
 

@@ -15,14 +15,12 @@ def run_to_completion(sched: Scheduler, max_steps: int = 500) -> None:
         if not sched.has_unfinished():
             return
         out = sched.schedule()
-        for s in out.scheduled:
-            req = s.request
-            if s.sample and not req.finished:
+        for req, seq in out.scheduled():
+            if seq.sample and not req.finished:
                 req.num_pending -= 1
                 req.token_ids.append(7)
         sched.update(out)
-        for s in out.scheduled:
-            req = s.request
+        for req in out.requests.values():
             if not req.finished and req.num_output_tokens >= req.sampling.max_tokens:
                 sched.finish(req, "length")
     raise AssertionError("the scheduler did not finish its requests")

@@ -21,14 +21,12 @@ def apply_tables(mirror: dict[str, list[int]], seqs: list[SeqStep]) -> None:
 
 
 def finish_step(sched: Scheduler, out: SchedulerOutput) -> None:
-    for s in out.scheduled:
-        req = s.request
-        if s.sample and not req.finished:
+    for req, seq in out.scheduled():
+        if seq.sample and not req.finished:
             req.num_pending -= 1
             req.token_ids.append(7)
     sched.update(out)
-    for s in out.scheduled:
-        req = s.request
+    for req in out.requests.values():
         if not req.finished and req.num_output_tokens >= req.sampling.max_tokens:
             sched.finish(req, "length")
 

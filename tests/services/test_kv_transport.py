@@ -74,9 +74,8 @@ def drive(kv, steps: int, seed: int, preemption_mode: str, after_commit=None, co
             if after_commit:
                 after_commit()
         log.append(repr(out.step))
-        for s in out.scheduled:  # the engine's order: read the tokens back, then update
-            req = s.request
-            if s.sample and not req.finished:
+        for req, seq in out.scheduled():  # the engine's order: read the tokens back, then update
+            if seq.sample and not req.finished:
                 req.num_pending -= 1
                 req.token_ids.append(rng.randrange(100))
                 if req.num_output_tokens >= req.sampling.max_tokens:
