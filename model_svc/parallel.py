@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # How long a rank waits for the others at the rendezvous and in a collective.
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
+# After a failed collective: how long to wait for word of which rank died.
+LOST_RANK_WAIT_S = 2.0
 
 
 class TensorParallelError(ModelLost):
@@ -82,14 +85,20 @@ class TPGroup:
     # ------------------------------------------------------------- the model's collectives
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place; returns x."""
-        dist.all_reduce(x)
+        try:
+            dist.all_reduce(x)
+        except RuntimeError as exc:  # a rank went away mid-step (gloo says so; NCCL would wait)
+            raise self._lost(exc) from exc
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """(M, V/N) logits of this rank's vocabulary slice -> (M, V) on every rank."""
         m, part = logits.shape
         out = torch.empty((self.size * m, part), dtype=logits.dtype, device=logits.device)  # rank-major
-        dist.all_gather_single(out, logits.contiguous())
+        try:
+            dist.all_gather_single(out, logits.contiguous())
+        except RuntimeError as exc:
+            raise self._lost(exc) from exc
         return out.view(self.size, m, part).permute(1, 0, 2).reshape(m, self.size * part)[:, :vocab_size]
 
     def agree_min(self, value: int) -> int:
@@ -106,7 +115,15 @@ class TPGroup:
         try:
             dist.broadcast_object_list([inp], src=0, group=self.cpu_group)
         except RuntimeError as exc:
-            raise TensorParallelError(self.failure or f"tensor-parallel step broadcast failed: {exc}") from exc
+            raise self._lost(exc) from exc
+
+    def _lost(self, exc: Exception) -> TensorParallelError:
+        """The error for a failed collective, naming the rank that died once rank 0's watcher
+        has seen it exit (tp_launch; it follows the broken connection by moments)."""
+        deadline = time.monotonic() + LOST_RANK_WAIT_S
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return TensorParallelError(self.failure or f"a tensor-parallel collective failed: {exc}")
 
     def receive(self) -> StepInput | None:
         """On the other ranks: the next step (None: stop)."""

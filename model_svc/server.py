@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from contracts import phase_times, step_convert
-from contracts.errors import FailedPrecondition, Unavailable
+from contracts.errors import FailedPrecondition, ModelLost, Unavailable
 from contracts.model_info import ModelFacts, ModelInfo, info_to_pb
 from contracts.rpc import announce, freeze_heap, start_server, stop_event
 from contracts.service_config import ModelSection
@@ -85,7 +85,11 @@ class ModelService:
         runner = self._ready()
         if expected_epoch != self.epoch:
             raise EpochMismatch(f"step for epoch {expected_epoch or '(none)'}; this service is epoch {self.epoch}")
-        return runner.launch(inp)
+        try:
+            return runner.launch(inp)
+        except ModelLost as exc:  # a tensor-parallel rank is gone: no answer, the process ends
+            _rank_lost(str(exc))
+            raise
 
     def _ready(self) -> Any:
         if self.runner is None:
