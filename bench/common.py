@@ -34,6 +34,16 @@ QWEN3_0_6B = dict(
     eos_token_id=151645,
     torch_dtype="bfloat16",
 )
+# Qwen3-8B's architecture (an 8B-class shape for tensor parallelism, bench/tp.py), random bf16 weights.
+QWEN3_8B = dict(
+    QWEN3_0_6B,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    tie_word_embeddings=False,
+)
 # A small config with the same shape of work, for trying a benchmark on the CPU.
 TINY = dict(
     QWEN3_0_6B,
@@ -48,7 +58,7 @@ TINY = dict(
     head_dim=32,
     torch_dtype="float32",
 )
-CONFIGS = {"qwen3-0.6b": QWEN3_0_6B, "tiny": TINY}
+CONFIGS = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "tiny": TINY}
 # The real Qwen2 tokenizer (151,936 ids; its README says where it comes from), for benchmarks
 # that time what a user's model brings: detokenization of every generated token.
 QWEN2_TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "qwen2_tokenizer"

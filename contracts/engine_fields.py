@@ -44,6 +44,9 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "torch_threads": (_positive_int_or_none, "must be a positive integer or None"),
     "dtype": (lambda v: v is None or v in DTYPES, "must be float32, bfloat16 or float16"),
     "kernel_backend": (lambda v: v in (None, "torch", "triton"), "must be 'torch' or 'triton'"),
+    "tensor_parallel_size": (_positive_int, "must be a positive integer"),  # the heads' split: the runner's check
+    "tp_master_addr": (lambda v: isinstance(v, str) and bool(v), "must be a host name or address"),
+    "tp_master_port": (lambda v: v is None or (isinstance(v, int) and 0 < v < 65536), "must be a port number or None"),
 }
 
 

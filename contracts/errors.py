@@ -62,6 +62,11 @@ class OutOfRange(PicoError):
     """A request that cannot go on within the server's limits (it outgrew the KV cache)."""
 
 
+class ModelLost(Unavailable):
+    """The in-process model runner can run no step any more (a rank of a tensor-parallel
+    group died): the embedded engine raises it instead of failing requests one by one."""
+
+
 class RequestFailed(PicoError):
     """One request failed on its own (an error in its stop checks, detokenization or
     sampling); the requests beside it are not affected."""

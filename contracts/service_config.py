@@ -154,6 +154,9 @@ class ModelSection:
     max_num_batched_tokens: int = 8192
     torch_threads: int | None = None  # CPU threads for torch; None: one for a small model, else one per core
     enforce_eager: bool = False  # True: no CUDA graphs
+    tensor_parallel_size: int = 1  # ranks (devices) the model is split over
+    tp_master_addr: str = "127.0.0.1"  # where the ranks rendezvous (rank 0's host)
+    tp_master_port: int | None = None  # None: a free port
 
     def __post_init__(self) -> None:
         _check_address("model.address", self.address)

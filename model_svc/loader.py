@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -24,6 +25,9 @@ from model_svc.config import ModelConfig
 from model_svc.layers import MergedLinear, RMSNorm
 from model_svc.models import build_model
 from model_svc.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from model_svc.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +82,22 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     ops: KernelOps | None = None,
+    tp: TPGroup | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model for the directory's config and stream its safetensors weights in."""
+    """Build the model for the directory's config and stream its safetensors weights in;
+    with tp, this rank's shard of them (the config returned is the whole model's)."""
     config = ModelConfig.from_pretrained(path)  # raises FileNotFoundError / ValueError
     files = safetensors_files(path)
     # The checkpoint's own architecture: several families run on one model class of ours.
     logger.info("loading %s (%s family) from %s", config.architecture, config.family, path)
     dtype = dtype or default_dtype(device)
-    model = build_model(config, ops or select_ops(device), dtype, device)
-    load_weights(model, iter_safetensors(files))
+    model = build_model(config, ops or select_ops(device), dtype, device, tp)
+    weights = iter_safetensors(files)
+    if tp is not None:
+        from model_svc.parallel import shard_weights
+
+        weights = shard_weights(weights, config, tp.rank, tp.size)
+    load_weights(model, weights)
     model.fold_norm_weights()  # for the deferred norms, where they run (LlamaModel.fold_norm_weights)
     return model, config
 

@@ -33,6 +33,7 @@ from model_svc.warmup import compile_kernels, profile_num_blocks
 
 if TYPE_CHECKING:
     from model_svc.cuda_graphs import DecodeGraphs, DecodeReplay
+    from model_svc.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +71,16 @@ class ModelRunner:
         # The small-batch decode graphs capture PDL (runner_factory.small_batch_pdl).
         small_batch_pdl: bool = True,
         torch_threads: int | None = None,  # CPU only; None: loader.cpu_threads picks by model size
+        tp: TPGroup | None = None,  # this rank of a tensor-parallel group (model_svc.tp_launch)
     ) -> None:
         self.device = (
             torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         )
         self.dtype = resolve_dtype(dtype, self.device)
         self.ops = select_ops(self.device, kernel_backend)
+        self.tp = tp
         if model is None:
-            model, _ = load_model(model_path, device=self.device, dtype=self.dtype, ops=self.ops)
+            model, _ = load_model(model_path, device=self.device, dtype=self.dtype, ops=self.ops, tp=tp)
         self.model = model
         self.config = model.config
         if self.device.type == "cpu":
@@ -92,6 +95,8 @@ class ModelRunner:
             num_device_blocks = profile_num_blocks(
                 self.model, self.sampler, self.device, block_size, block_bytes, *budget
             )
+            if tp is not None:  # every rank holds every block: the pool that fits on each
+                num_device_blocks = tp.agree_min(num_device_blocks)
         if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
             num_host_blocks = num_host_blocks(num_device_blocks, block_bytes)
         self.pools = KVCachePools(self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype)
@@ -155,6 +160,12 @@ class ModelRunner:
                 self.model, self.pools.layer_caches, max_num_batched_tokens, self.device
             )
 
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (nothing to do without one)."""
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
+
     @property
     def num_device_blocks(self) -> int:
         return self.pools.num_device_blocks
@@ -172,6 +183,8 @@ class ModelRunner:
         """Queue the step's device work and return at once; `result()` waits for the sampled
         tokens. The host can schedule the next step meanwhile: a decode token given as
         PLACEHOLDER is taken on the device from what this runner sampled last."""
+        if self.tp is not None and self.tp.rank == 0:  # the other ranks run the same step
+            self.tp.publish(inp)
         with self._state_lock:
             for seq_id in inp.finished:
                 state = self.seqs.pop(seq_id, None)

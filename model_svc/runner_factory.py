@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from model_svc.parallel import TPGroup
     from model_svc.runner import ModelRunner
 
 
@@ -44,6 +46,9 @@ class RunnerSettings:
     max_num_seqs: int = 256
     torch_threads: int | None = None
     async_scheduling: bool | None = None  # the scheduler's: decides the PDL choice
+    tensor_parallel_size: int = 1  # ranks (devices) the model is split over (model_svc.parallel)
+    tp_master_addr: str = "127.0.0.1"  # the ranks' rendezvous (docs/TENSOR_PARALLEL.md)
+    tp_master_port: int | None = None  # None: a free port
 
     @classmethod
     def of(cls, config: Any, **given: Any) -> RunnerSettings:
@@ -60,9 +65,19 @@ class RunnerSettings:
         return small_batch_pdl(self.async_scheduling)
 
 
-def build_runner(s: RunnerSettings) -> ModelRunner:
+def build_runner(
+    s: RunnerSettings, tp: TPGroup | None = None, on_failure: Callable[[str], None] | None = None
+) -> ModelRunner:
+    """The runner (rank 0 of a tensor-parallel one: it starts the other ranks, and
+    on_failure(message) runs when one of them dies); tp: a spawned rank's group."""
     from model_svc.kv_cache import host_pool_blocks
     from model_svc.runner import ModelRunner
+
+    if tp is None and s.tensor_parallel_size > 1:
+        from model_svc.tp_launch import start_ranks
+
+        build = functools.partial(build_runner, s)  # what each started rank runs, on its group
+        tp = start_ranks(s.tensor_parallel_size, s.tp_master_addr, s.tp_master_port, s.device, build, on_failure)
 
     return ModelRunner(
         s.model,
@@ -78,4 +93,5 @@ def build_runner(s: RunnerSettings) -> ModelRunner:
         max_num_seqs=s.max_num_seqs,
         small_batch_pdl=s.small_batch_pdl,
         torch_threads=s.torch_threads,
+        tp=tp,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ from typing import Any
 import grpc
 
 from contracts import phase_times, step_convert
-from contracts.errors import FailedPrecondition, Unavailable
+from contracts.errors import FailedPrecondition, ModelLost, Unavailable
 from contracts.model_info import ModelFacts, ModelInfo, info_to_pb
 from contracts.rpc import announce, freeze_heap, start_server, stop_event
 from contracts.service_config import ModelSection
@@ -30,6 +31,7 @@ from protos.picovllm.model.v1 import model_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelService"].full_name
+RANK_LOST_EXIT_CODE = 3  # the process's status when a tensor-parallel rank died
 
 
 class EpochMismatch(FailedPrecondition):
@@ -54,7 +56,12 @@ class ModelService:
         settings = RunnerSettings.of(
             self.config, max_num_seqs=self.max_num_seqs, async_scheduling=self.async_scheduling
         )
-        self.runner = build_runner(settings)
+        self.runner = build_runner(settings, on_failure=_rank_lost)
+
+    def close(self) -> None:
+        """Stop the runner's other ranks (tensor parallel), on the thread that runs its steps."""
+        if self.runner is not None:
+            self.runner.close()
 
     def info(self) -> ModelInfo:
         r = self._ready()
@@ -78,12 +85,25 @@ class ModelService:
         runner = self._ready()
         if expected_epoch != self.epoch:
             raise EpochMismatch(f"step for epoch {expected_epoch or '(none)'}; this service is epoch {self.epoch}")
-        return runner.launch(inp)
+        try:
+            return runner.launch(inp)
+        except ModelLost as exc:  # a tensor-parallel rank is gone: no answer, the process ends
+            _rank_lost(str(exc))
+            raise
 
     def _ready(self) -> Any:
         if self.runner is None:
             raise Unavailable("the model is still loading")
         return self.runner
+
+
+def _rank_lost(message: str) -> None:
+    """A tensor-parallel rank died: the KV tensors are incomplete and a collective may never
+    return, so the process ends now. The scheduler sees the model service go and come back
+    with a new epoch once a supervisor restarts it, as after any model-service crash."""
+    logger.critical("%s; the model service exits", message)
+    logging.shutdown()
+    os._exit(RANK_LOST_EXIT_CODE)
 
 
 class ModelServicer(pb_grpc.ModelServiceServicer):
@@ -217,4 +237,6 @@ async def serve(
         await stopped
     await running.set_serving(False)
     await running.server.stop(grace=5)
+    if load.done() and load.exception() is None:
+        await asyncio.get_running_loop().run_in_executor(executor, service.close)
     executor.shutdown(wait=False, cancel_futures=True)

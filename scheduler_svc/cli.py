@@ -72,6 +72,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU threads for torch (default: 1 for a model under 100M parameters, else one per core)",
     )
+    g.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="split the model over this many devices (one process each)"
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -91,6 +94,7 @@ def engine_config_from_args(args: argparse.Namespace):
             dtype=args.dtype,
             enforce_eager=args.enforce_eager,
             torch_threads=args.torch_threads,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None

@@ -66,6 +66,11 @@ class EngineConfig:
     async_scheduling: bool | None = None
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks)
     torch_threads: int | None = None  # CPU threads for torch; None: one for a small model, else one per core
+    # The model split over this many ranks, one process (and device) each (docs/TENSOR_PARALLEL.md);
+    # the ranks rendezvous at tp_master_addr:tp_master_port (None: a free port).
+    tensor_parallel_size: int = 1
+    tp_master_addr: str = "127.0.0.1"
+    tp_master_port: int | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -25,7 +25,7 @@ from collections import deque
 from typing import Any, Protocol, cast
 
 from contracts import phase_times
-from contracts.errors import OutOfRange, RequestFailed, failed_seq_id
+from contracts.errors import ModelLost, OutOfRange, RequestFailed, failed_seq_id
 from contracts.sampling_params import RequestLimits, SamplingParams
 from contracts.step import StepInput, StepOutput
 from contracts.tokenizer import load_tokenizer
@@ -193,7 +193,8 @@ class LLMEngine:
                 return self._step_overlapped()
             return self._step_sync()
         except Exception as exc:
-            if self._failing is None:  # not a model call: the engine's own state is in question
+            # Not a model call (the engine's own state is in question), or a model that is gone.
+            if self._failing is None or isinstance(exc, ModelLost):
                 raise
             return self._contain(exc)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU results of bench/results/ in parts that each fit one ten-minute run.
-# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|h|s|u|r|all]
+# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|h|s|u|r|t|v|all]
 #   a: GPU tests and numerics, greedy parity (bf16 Qwen3-0.6B shape), per-phase device times
 #      (B=1 and B=256), host profile of the engine step
 #   b: headline throughput embedded + service mode (with the parity check), batch-1 latency,
@@ -18,6 +18,9 @@
 #      in-memory row); detokenization's cost on this host's CPU, both decode paths
 #   r: two replicas behind the router vs round-robin vs one engine (needs redis-server)
 #   d: transformers' continuous batching on the headline workload (BENCHMARKS.md: ~618 tok/s)
+#   t: tensor parallelism on 4 GPUs (not in `all`): the multi-GPU tests, greedy parity and
+#      throughput of TP=1,2,4 on the headline shape (CUDA graphs, and a short eager run)
+#   v: tensor parallelism on 4 GPUs (not in `all`): the same on an 8B-class shape (Qwen3-8B's)
 set -uo pipefail
 out="${1:-bench/results}"
 part="${2:-all}"
@@ -91,6 +94,16 @@ if has s; then  # the service through its public APIs, each against embedded or 
 fi
 if has r; then  # replicas sharing the GPU behind the router, on the multi-tenant workload
   TAIL=12 run router 560 python bench/router.py --model qwen3-0.6b --device cuda --out "$out/router_h200.md"
+fi
+if [ "$part" = t ]; then  # 4 GPUs of one host; NVLink SHARP (NVLS) off
+  export NCCL_NVLS_ENABLE=0
+  run gpu-tests-tp 120 python -m pytest -q -m gpu tests/model/test_tensor_parallel.py -x
+  run tp 330 python bench/tp.py --out "$out/tp_h200.md"
+  run tp-eager 140 python bench/tp.py --enforce-eager --num-seqs 32 --max-len 256 --out "$out/tp_h200_eager.md"
+fi
+if [ "$part" = v ]; then  # 4 GPUs of one host: the 8B-class shape
+  export NCCL_NVLS_ENABLE=0
+  run tp-8b 580 python bench/tp.py --model qwen3-8b --num-seqs 128 --out "$out/tp_8b_h200.md"
 fi
 if has d; then
   run throughput-hf-peer 500 python bench/throughput.py --no-user-path --peer hf --out "$out/throughput_h200_hf_peer.md"

@@ -32,6 +32,7 @@ from model_svc.layers import (
     gemv_kernels,
     triton_module,
 )
+from model_svc.parallel import TPGroup, output_linear, vocab_embedding, vocab_rows
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -46,7 +47,7 @@ class LlamaAttention(nn.Module):
     Attention stores K/V.
     """
 
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -57,7 +58,7 @@ class LlamaAttention(nn.Module):
             bias=config.attention_bias,
             ops=ops,
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, ops=ops)
+        self.o_proj = output_linear(self.q_size, config.hidden_size, config.o_proj_bias, ops, tp)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -180,11 +181,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup | None = None) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias, ops=ops)
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias, ops=ops)
+        self.down_proj = output_linear(size, config.hidden_size, config.mlp_bias, ops, tp)
+        self.tp = tp
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, hidden)
@@ -196,15 +198,16 @@ class LlamaMLP(nn.Module):
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # (N, 2I) [gate | up] -> (N, hidden)
         down, gemv_ops = self.down_proj, self.down_proj.gemv_ops
         if gemv_ops is not None and gemv_ops.use_gemv(gate_up, down.weight):  # decode at batch <= 4
-            return gemv_ops.gemv(gate_up, down.weight, down.bias, silu_mul=True)  # SiluAndMul fused in
+            out = gemv_ops.gemv(gate_up, down.weight, down.bias, silu_mul=True)  # SiluAndMul fused in
+            return out if self.tp is None else self.tp.all_reduce(out)  # row-parallel: the partial sums
         return down(self.act(gate_up))  # via (N, I)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, ops)
-        self.mlp = LlamaMLP(config, ops)
+        self.self_attn = LlamaAttention(config, ops, tp)
+        self.mlp = LlamaMLP(config, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -292,10 +295,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
+        self.tp = tp
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.fused = fused_kernels(ops) is not None
         self.gemv_ops = gemv_kernels(ops)
@@ -339,14 +343,16 @@ class LlamaModel(nn.Module):
         norms' weights to one. The model computes the same function, the weights rounded once
         more; the deferred norms need it. Only on the Triton ops with 16-bit weights, where
         that path runs (and without an MLP bias, which the fused gate|up lacks), unless forced
-        (a reference model that should hold the same weights as a folded one); returns whether
-        the weights are folded."""
+        (a reference model that should hold the same weights as a folded one); never across
+        ranks (the deferred path adds o and down into the residual before any all-reduce);
+        returns whether the weights are folded."""
         layers = self.decoder_layers()
         layer = layers[0]
         if self.norms_folded:
             return True
         if not force and (
-            self.gemv_ops is None
+            self.tp is not None
+            or self.gemv_ops is None
             or layer.mlp.gate_up_proj.bias is not None
             or layer.input_layernorm.weight.dtype not in (torch.bfloat16, torch.float16)
         ):
@@ -374,13 +380,16 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup | None = None) -> None:
+        """config: this rank's (model_svc.parallel.shard_config) with tp."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, ops)
+        self.tp = tp
+        self.model = LlamaModel(config, ops, tp)
         self.lm_head = None  # tied: logits use the embedding matrix
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            rows = vocab_rows(config.vocab_size, tp.size if tp is not None else 1)  # this rank's
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
 
     @property
     def num_layers(self) -> int:
@@ -416,7 +425,10 @@ class LlamaForCausalLM(nn.Module):
         of 78 MB at M = 256).
         """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return logits_fp32(hidden, weight)
+        logits = logits_fp32(hidden, weight)
+        if self.tp is not None:  # each rank's vocabulary slice -> the whole row on every rank
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits
 
 
 # torch.mm(..., out_dtype=fp32) for 16-bit CUDA inputs (torch >= 2.8)

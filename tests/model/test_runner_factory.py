@@ -28,6 +28,9 @@ MODEL_KEYS = dict(
     max_num_batched_tokens=512,
     torch_threads=1,
     enforce_eager=True,
+    tensor_parallel_size=2,
+    tp_master_addr="localhost",
+    tp_master_port=29611,
 )
 
 
@@ -40,7 +43,7 @@ def built(monkeypatch):
     """The settings each build_runner call got (the call then stops its caller)."""
     calls: list[RunnerSettings] = []
 
-    def record(settings: RunnerSettings):
+    def record(settings: RunnerSettings, tp=None, on_failure=None):
         calls.append(settings)
         raise _Built
 
