@@ -1,24 +1,24 @@
-"""The HTTP gateway's cost: the same streamed greedy workload through the scheduler's gRPC
+"""The HTTP gateway's cost: the headline workload streamed through the scheduler's gRPC
 `Generate` and through the OpenAI-compatible `/v1/completions` (stream: true) of the same
-`picovllm serve all`.
+`picovllm serve all`, in one run.
 
-    python bench/http_vs_grpc.py --model path/to/Qwen3-0.6B --device cuda --out bench/results/http_vs_grpc_h200.md
-    python bench/http_vs_grpc.py --device cpu --num-requests 64 --concurrency 16 --max-tokens 32   # bundled
+    python bench/http_vs_grpc.py --model qwen3-0.6b --device cuda --out bench/results/http_vs_grpc_h200.md
+    python bench/http_vs_grpc.py --device cpu --num-requests 32 --max-input-len 128 --max-output-len 32   # bundled
 
-Every request has a token-id prompt (the same ids on both paths, so no tokenization differs)
-and ignores EOS, so both paths generate the same number of tokens. Runs alternate gRPC and
-HTTP (`--repeats` each, after a warm-up) and the median run of each is reported: output
-tokens/s, time to the first streamed text, and the time between streamed messages. Needs the
-`openai` package (the test extra) for the HTTP side; `--grpc-addr` with `--http-url` measures
-an already running server instead of starting one.
+Cases, each run on both paths, alternating (`--repeats` each after a warm-up; the median run
+is reported):
+- throughput: nano-vllm's workload (bench/serve.py's, token-id prompts, ignore_eos,
+  temperature 0.6), every request at once from `--clients` client processes: output tokens/s.
+- low load: `--low-load-requests` requests one at a time: TTFT p50 and p99.
+Both paths send the same token ids, so no tokenization differs; the HTTP clients are plain
+httpx over SSE (bench/serve_clients.py), so the client's own parsing stays small.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import os
-import random
 import secrets
 import shutil
 import subprocess
@@ -30,19 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.serve import free_port, prepare_model  # noqa: E402
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
-def make_workload(num: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(num)]
+from bench.serve import _version, free_port, make_jobs, prepare_model  # noqa: E402
+from bench.serve_clients import Job, run_clients, summarize  # noqa: E402
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
@@ -67,7 +56,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
         "--device",
         args.device,
         "--max-model-len",
-        str(args.prompt_len + args.max_tokens + 16),
+        str(args.max_input_len + args.max_output_len + 16),
     ]
     argv += ["--model", args.model] if args.model else []
     env = {
@@ -94,124 +83,68 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
     raise SystemExit(f"serve all not ready after {args.startup_timeout} s")
 
 
-class Timing:
-    """One request: when it started, when each message with output came."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.arrivals: list[float] = []
-        self.tokens = 0
-
-    def ttft(self) -> float | None:
-        return self.arrivals[0] - self.start if self.arrivals else None
-
-    def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:])]
+def _served_model(url: str) -> str:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"{url}/v1/models", timeout=10) as reply:
+        return json.loads(reply.read())["data"][0]["id"]
 
 
-async def grpc_one(stub, prompt: list[int], max_tokens: int) -> Timing:
-    from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
-
-    request = pb.GenerateRequest(sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    request.token_ids.ids.extend(prompt)
-    timing = Timing()
-    async for message in stub.Generate(request):
-        if message.token_ids:
-            timing.arrivals.append(time.perf_counter())
-            timing.tokens += len(message.token_ids)
-    return timing
+def _median(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
 
 
-async def http_one(client, model: str, prompt: list[int], max_tokens: int) -> Timing:
-    timing = Timing()
-    stream = await client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0.0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            timing.arrivals.append(time.perf_counter())
-        if chunk.usage is not None:
-            timing.tokens = chunk.usage.completion_tokens
-    return timing
-
-
-async def run_once(
-    kind: str, grpc_addr: str, url: str, model: str, prompts: list[list[int]], args: argparse.Namespace
-) -> dict:
-    import grpc
-    import openai
-
-    from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-
-    limit = asyncio.Semaphore(args.concurrency)
-    async with grpc.aio.insecure_channel(grpc_addr) as channel:
-        stub = pb_grpc.SchedulerServiceStub(channel)
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
-
-        async def one(prompt: list[int]) -> Timing:
-            async with limit:
-                if kind == "grpc":
-                    return await grpc_one(stub, prompt, args.max_tokens)
-                return await http_one(client, model, prompt, args.max_tokens)
-
-        start = time.perf_counter()
-        timings = await asyncio.gather(*(one(p) for p in prompts))
-        seconds = time.perf_counter() - start
-        await client.close()
-    gaps = [g for t in timings for g in t.gaps()]
-    ttfts = [t.ttft() for t in timings if t.ttft() is not None]
-    return {
-        "kind": kind,
-        "seconds": seconds,
-        "tokens": sum(t.tokens for t in timings),
-        "tok_s": sum(t.tokens for t in timings) / seconds,
-        "ttft_p50": percentile(ttfts, 50),
-        "ttft_p99": percentile(ttfts, 99),
-        "gap_p50": percentile(gaps, 50),
-        "gap_p99": percentile(gaps, 99),
+def measure(grpc_addr: str, url: str, args: argparse.Namespace) -> dict[str, dict[str, dict]]:
+    """{case: {path: the median run's summary}}."""
+    targets = {"grpc": grpc_addr, "http": f"{url}/{_served_model(url)}"}
+    vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
+    jobs = make_jobs(args.num_requests, args.min_len, args.max_input_len, args.max_output_len, vocab, 0, 0.6)
+    low = [
+        Job(j.index, j.prompt, 16, 0.0)
+        for j in make_jobs(args.low_load_requests, args.min_len, args.max_input_len, 16, vocab, 1, 0.0)
+    ]
+    for target in targets.values():  # warm-up: graphs, connections, the gateway's first request
+        run_clients(target, jobs[: min(32, len(jobs))], 1)
+    runs: dict[str, dict[str, list[dict]]] = {
+        "throughput": {k: [] for k in targets},
+        "low load": {k: [] for k in targets},
     }
-
-
-async def measure(grpc_addr: str, url: str, args: argparse.Namespace) -> list[dict]:
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    info = (await client.models.list()).data[0]
-    await client.close()
-    prompts = make_workload(args.num_requests, args.prompt_len, args.vocab)
-    warm = prompts[: max(1, args.concurrency // 4)]
-    for kind in ("grpc", "http"):
-        await run_once(kind, grpc_addr, url, info.id, warm, args)
-    runs: dict[str, list[dict]] = {"grpc": [], "http": []}
     for _ in range(args.repeats):
-        for kind in ("grpc", "http"):
-            runs[kind].append(await run_once(kind, grpc_addr, url, info.id, prompts, args))
-            print(f"{kind}: {runs[kind][-1]['tok_s']:.1f} tok/s", file=sys.stderr)
-    return [sorted(r, key=lambda x: x["seconds"])[len(r) // 2] for r in runs.values()]
+        for kind, target in targets.items():
+            runs["throughput"][kind].append(summarize(run_clients(target, jobs, args.clients)))
+            runs["low load"][kind].append(summarize(run_clients(target, low, 1, sequential=True)))
+            print(f"{kind}: {runs['throughput'][kind][-1]['tok_s']:,.0f} tok/s", file=sys.stderr)
+    return {case: {kind: _median(r) for kind, r in by_kind.items()} for case, by_kind in runs.items()}
 
 
-def report(results: list[dict], args: argparse.Namespace) -> str:
-    grpc_run, http_run = results
+def report(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> str:
+    thr, low = results["throughput"], results["low load"]
     lines = [
-        f"Workload: {args.num_requests} requests, {args.concurrency} at a time, {args.prompt_len}-token prompts, "
-        f"{args.max_tokens} tokens each (greedy, ignore_eos); median of {args.repeats} alternating runs.",
+        f"Throughput case: {args.num_requests} requests at once from {args.clients} client processes, prompt "
+        f"{args.min_len}-{args.max_input_len} tokens, output {args.min_len}-{args.max_output_len} (temperature 0.6, "
+        f"ignore_eos). Low load: {args.low_load_requests} requests one at a time, 16 tokens each (greedy). Median of "
+        f"{args.repeats} alternating runs.",
         "",
-        "| path | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | between messages p50 (ms) | p99 (ms) |",
+        "| path | output tok/s | output tokens | errors | low load TTFT p50 (ms) | low load TTFT p99 (ms) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in results:
+    for kind in ("grpc", "http"):
+        t, lo = thr[kind], low[kind]
         lines.append(
-            f"| {r['kind']} | {r['tok_s']:.1f} | {r['ttft_p50'] * 1e3:.2f} | {r['ttft_p99'] * 1e3:.2f} | "
-            f"{r['gap_p50'] * 1e3:.3f} | {r['gap_p99'] * 1e3:.3f} |"
+            f"| {kind} | {t['tok_s']:,.0f} | {t['tokens']} | {len(t['errors']) + len(lo['errors'])} | "
+            f"{lo['ttft_p50'] * 1e3:.2f} | {lo['ttft_p99'] * 1e3:.2f} |"
         )
-    lines += ["", f"HTTP throughput / gRPC throughput: {100 * http_run['tok_s'] / grpc_run['tok_s']:.1f} %"]
+    ratio = thr["http"]["tok_s"] / thr["grpc"]["tok_s"]
+    overhead = (low["http"]["ttft_p50"] - low["grpc"]["ttft_p50"]) * 1e3
+    lines += ["", f"HTTP / gRPC throughput: {ratio:.1%}; HTTP TTFT p50 overhead at low load: {overhead:+.2f} ms"]
+    errors = [e for case in results.values() for r in case.values() for e in r["errors"]]
+    if errors:
+        lines.append(f"errors ({len(errors)}): {errors[:3]}")
     return "\n".join(lines)
+
+
+def _versions() -> str:
+    names = ("torch", "triton", "grpcio", "protobuf", "fastapi", "uvicorn")
+    return ", ".join(f"{name} {_version(name)}" for name in names)
 
 
 def main() -> int:
@@ -225,38 +158,32 @@ def main() -> int:
         "tokenizer (bench/serve.py) (default: the bundled stories260k)",
     )
     p.add_argument("--device", default="cuda", help="the model service's device (default: cuda)")
-    p.add_argument("--num-requests", type=int, default=512, help="requests per run (default: 512)")
-    p.add_argument("--concurrency", type=int, default=128, help="requests in flight at once (default: 128)")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request (default: 256)")
-    p.add_argument(
-        "--vocab", type=int, default=500, help="prompt ids are drawn from [3, VOCAB) (default: 500, fits every model)"
-    )
+    p.add_argument("--num-requests", type=int, default=256, help="requests of the throughput case (default: 256)")
+    p.add_argument("--min-len", type=int, default=100, help="shortest prompt and output (default: 100)")
+    p.add_argument("--max-input-len", type=int, default=1024, help="longest prompt (default: 1024)")
+    p.add_argument("--max-output-len", type=int, default=1024, help="longest output (default: 1024)")
+    p.add_argument("--clients", type=int, default=4, help="client processes of the throughput case (default: 4)")
+    p.add_argument("--low-load-requests", type=int, default=16, help="requests of the low-load case (default: 16)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each path (default: 3)")
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for serve all (default: 900)")
-    p.add_argument("--grpc-addr", default=None, help="a running scheduler's address (with --http-url): start nothing")
-    p.add_argument("--http-url", default=None, help="a running gateway's URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args()
     args.model, tmp = prepare_model(args.model)
-    proc = None
-    if args.grpc_addr and args.http_url:
-        grpc_addr, url = args.grpc_addr, args.http_url
-    else:
-        proc, grpc_addr, url = start_server(args)
+    proc, grpc_addr, url = start_server(args)
     try:
-        text = report(asyncio.run(measure(grpc_addr, url, args)), args)
+        text = report(measure(grpc_addr, url, args), args)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=120)
+        proc.terminate()
+        proc.wait(timeout=120)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     print(text)
     if args.out:
+        command = " ".join(a if not a.startswith("/") else Path(a).name for a in sys.argv[1:])
         Path(args.out).write_text(
-            f"# HTTP gateway vs gRPC\n\nDate: {time.strftime('%Y-%m-%d')}. Command: "
-            f"`python bench/http_vs_grpc.py {' '.join(sys.argv[1:])}`\n\n{text}\n"
+            f"# HTTP gateway vs gRPC, one `serve all` (bench/http_vs_grpc.py)\n\n"
+            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n- versions: {_versions()}\n"
+            f"- command: `python bench/http_vs_grpc.py {command}`\n\n{text}\n"
         )
     return 0
 

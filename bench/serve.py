@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.serve_clients import Job, run_clients, summarize  # noqa: E402
+from bench.serve_embedded import run_embedded  # noqa: E402
 
 TOKENIZER_FIXTURE = ROOT / "tests" / "fixtures" / "qwen2_tokenizer"
 
@@ -118,76 +119,6 @@ def make_jobs(
         Job(i, p, rng.randint(min(min_len, max_output), max_output), temperature, keep_ids)
         for i, p in enumerate(prompts)
     ]
-
-
-# ----------------------------------------------------------------- embedded
-def _embedded_main(
-    model_dir: str, device: str, engine_kwargs: dict, warm: list[Job], jobs: list[Job], parity: list[Job], conn
-) -> None:
-    import torch
-
-    from scheduler_svc import LLM, SamplingParams
-
-    def params(job: Job) -> SamplingParams:
-        return SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, ignore_eos=True)
-
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    null_ms = engine_kwargs.pop("null_model_ms", None)
-    if null_ms is None:
-        llm = LLM(model=model_dir, device=device, **engine_kwargs)
-    else:  # the engine over the emulated device, overlapped as the service's is
-        from bench.null_model import NullRunner
-        from scheduler_svc.config import EngineConfig
-        from scheduler_svc.engine import LLMEngine
-
-        blocks = engine_kwargs.pop("num_gpu_blocks") or 8192
-        runner = NullRunner(model_dir, null_ms, blocks)
-        config = EngineConfig(
-            model=model_dir, device="cpu", num_gpu_blocks=blocks, async_scheduling=True, **engine_kwargs
-        )
-        llm = LLM.from_engine(LLMEngine(config, model=runner))
-    llm.generate([j.prompt for j in warm], [params(j) for j in warm])
-    parity_ids = [
-        llm.generate([j.prompt], params(j))[0].token_ids for j in parity
-    ]  # one at a time, as the service run does
-    llm.engine.reset_prefix_cache()
-    sync()
-    start = time.perf_counter()
-    outs = llm.generate([j.prompt for j in jobs], [params(j) for j in jobs])
-    sync()
-    seconds = time.perf_counter() - start
-    conn.send(
-        {
-            "seconds": seconds,
-            "tokens": sum(len(o.token_ids) for o in outs),
-            "counts": [len(o.token_ids) for o in outs],
-            "parity": parity_ids,
-            "device": torch.cuda.get_device_name() if device.startswith("cuda") else "CPU",
-            "num_device_blocks": llm.engine.model.num_device_blocks,
-        }
-    )
-    conn.close()
-
-
-def run_embedded(model_dir: str, args: argparse.Namespace, warm: list[Job], jobs: list[Job], parity: list[Job]) -> dict:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    kwargs = dict(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_gpu_blocks=args.num_gpu_blocks,
-    )
-    if args.null_model is not None:
-        kwargs["null_model_ms"] = args.null_model
-    proc = ctx.Process(target=_embedded_main, args=(model_dir, args.device, kwargs, warm, jobs, parity, child))
-    proc.start()
-    child.close()
-    try:
-        result = parent.recv()
-    except EOFError:
-        raise SystemExit(f"the embedded run failed (exit {proc.join() or proc.exitcode})") from None
-    proc.join()
-    return result
 
 
 # ----------------------------------------------------------------- the server
@@ -471,6 +402,12 @@ def report(args: argparse.Namespace, jobs: list[Job], embedded: dict | None, ser
             "| | | | | |"
         )
     lines.append(_row(f"service, {args.clients} client processes, all streams at once", thr, emb_tok_s))
+    if embedded:
+        lines.append(
+            _row(
+                f"embedded engine, {args.latency_streams} streams at a time (latency-bound)", embedded["latency"], None
+            )
+        )
     lines.append(_row(f"service, {args.latency_streams} streams at a time (latency-bound)", lat, None))
     counts_ok = service["counts"] == want and (embedded is None or embedded["counts"] == want)
     lines += [
@@ -480,6 +417,12 @@ def report(args: argparse.Namespace, jobs: list[Job], embedded: dict | None, ser
         f"{thr['usage_mismatch']}; largest message {thr['max_tokens_per_message']} tokens",
         _parity_line(service["parity"], embedded["parity"] if embedded else None),
     ]
+    if embedded:
+        emb_itl = embedded["latency"]["itl_p50"]
+        lines.append(
+            f"latency-bound, {args.latency_streams} streams: inter-token p50 through the service {lat['itl_p50'] * 1e3:.2f} ms "
+            f"vs the embedded engine's time per step {emb_itl * 1e3:.2f} ms: {lat['itl_p50'] / emb_itl - 1:+.1%}"
+        )
     if service["cpu"]:
         lines.append(
             "CPU of the server's processes during the throughput case (seconds, share of its wall time, us per output "
@@ -570,8 +513,10 @@ def main() -> int:
                 args.temperature,
             )
         ]
-        embedded = None if args.no_embedded else run_embedded(model_dir, args, warm, jobs, parity)
+        cases = {"warm": warm, "jobs": jobs, "parity": parity, "latency": latency}
+        embedded = None if args.no_embedded else run_embedded(model_dir, args, cases)
         if embedded:
+            embedded["latency"] = summarize(embedded["latency"])
             print(f"embedded: {embedded['tokens'] / embedded['seconds']:,.0f} tok/s", file=sys.stderr)
         server, address = start_server(model_dir, args)
         try:

@@ -1,14 +1,16 @@
 """The client side of bench/serve.py: processes that drive the scheduler's public `Generate`
 with grpc.aio streams and record when every message came and what it carried.
 
-No torch here: each client process imports grpc and the generated protos only, so that N of
-them start fast and take no memory the server could use.
+No torch here: each client process imports grpc and the generated protos (or httpx, for the
+HTTP gateway) only, so that N of them start fast and take no memory the server could use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -62,9 +64,65 @@ async def _one(stub, pb, job: Job, timeout: float) -> Record:
     return record
 
 
+async def _one_http(client, model: str, job: Job, timeout: float) -> Record:
+    """One streamed `/v1/completions` (token-id prompt): a message is an SSE chunk with text;
+    its token count is not on the wire, so each counts one and the total is the usage's."""
+    body = {
+        "model": model,
+        "prompt": job.prompt,
+        "max_tokens": job.max_tokens,
+        "temperature": job.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    record = Record(job.index, time.monotonic())
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, timeout=timeout) as reply:
+            if reply.status_code != 200:
+                raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}")
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    record.arrivals.append(time.monotonic())
+                    record.counts.append(1)
+                if chunk.get("usage"):
+                    record.completion_tokens = chunk["usage"]["completion_tokens"]
+        if record.counts and record.completion_tokens > 0:
+            record.counts[-1] += record.completion_tokens - len(record.counts)
+    except Exception as exc:  # noqa: BLE001 - reported in the result, the run goes on
+        record.error = f"{type(exc).__name__}: {exc}"[:300]
+    return record
+
+
+async def _gather(one, jobs: list[Job], concurrency: int, sequential: bool) -> list[Record]:
+    if sequential:
+        return [await one(job) for job in jobs]
+    limit = asyncio.Semaphore(concurrency)
+
+    async def bounded(job: Job) -> Record:
+        async with limit:
+            return await one(job)
+
+    return list(await asyncio.gather(*(bounded(job) for job in jobs)))
+
+
 async def _drive(
     address: str, jobs: list[Job], concurrency: int, sequential: bool, barrier, timeout: float
 ) -> list[Record]:
+    """address: a scheduler's host:port (gRPC `Generate`), or `http://host:port/MODEL` (the
+    OpenAI-compatible gateway's streamed completions for MODEL)."""
+    if address.startswith("http://"):
+        import httpx
+
+        base, _, model = address.rpartition("/")
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=base, limits=limits, trust_env=False) as client:
+            if barrier is not None:
+                barrier.wait(120)
+            return await _gather(lambda job: _one_http(client, model, job, timeout), jobs, concurrency, sequential)
     import grpc
 
     from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
@@ -76,15 +134,7 @@ async def _drive(
         stub = pb_grpc.SchedulerServiceStub(channel)
         if barrier is not None:  # every client connected: start together
             barrier.wait(120)
-        if sequential:
-            return [await _one(stub, pb, job, timeout) for job in jobs]
-        limit = asyncio.Semaphore(concurrency)
-
-        async def bounded(job: Job) -> Record:
-            async with limit:
-                return await _one(stub, pb, job, timeout)
-
-        return list(await asyncio.gather(*(bounded(job) for job in jobs)))
+        return await _gather(lambda job: _one(stub, pb, job, timeout), jobs, concurrency, sequential)
 
 
 def client_main(
@@ -94,6 +144,8 @@ def client_main(
     try:
         conn.send(asyncio.run(_drive(address, jobs, concurrency, sequential, barrier, timeout)))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
+        if barrier is not None:
+            barrier.abort()  # the parent stops waiting for this client at once
         conn.send(f"client failed: {type(exc).__name__}: {exc}")
     finally:
         conn.close()
@@ -125,7 +177,10 @@ def run_clients(
         child.close()
         procs.append(p)
         conns.append(parent)
-    barrier.wait(180)  # all connected
+    try:
+        barrier.wait(180)  # all connected
+    except threading.BrokenBarrierError:
+        raise RuntimeError("; ".join(str(c.recv()) for c in conns if c.poll(5)) or "a client did not start") from None
     records: list[Record] = []
     for conn in conns:
         got = conn.recv()

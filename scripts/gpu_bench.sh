@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU results of bench/results/ in parts that each fit one ten-minute run.
-# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|all]
+# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|h|s|all]
 #   a: GPU tests and numerics, greedy parity (bf16 Qwen3-0.6B shape), per-phase device times
 #      (B=1 and B=256), host profile of the engine step
 #   b: headline throughput embedded + service mode (with the parity check), batch-1 latency,
@@ -12,6 +12,8 @@
 #   f: a session's headline figures: GPU tests, embedded (pipeline depth 2, and 1 for
 #      comparison), service mode (pipelined, with the parity check)
 #   g: batch-1 latency, swap vs recompute, prefix caching
+#   h: GPU tests and the headline (embedded, workload warm-up)
+#   s: the service as users call it: streaming gRPC (256 and 8 streams) and HTTP vs embedded
 #   d: transformers' continuous batching on the headline workload (BENCHMARKS.md: ~618 tok/s)
 set -uo pipefail
 out="${1:-bench/results}"
@@ -71,6 +73,14 @@ if has g; then  # the rest of a session's figures: batch-1 latency, swap, prefix
   run latency 70 python bench/latency.py --out "$out/latency_h200.md"
   run swap 90 python bench/swap.py --out "$out/swap_h200.md"
   run prefix 120 python bench/prefix.py --out "$out/prefix_h200.md"
+fi
+if has h; then  # GPU tests and the headline alone
+  run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
+  run throughput 150 python bench/throughput.py --repeats 3 --warmup workload --out "$out/throughput_h200.md"
+fi
+if has s; then  # the service through its public APIs, each against embedded or gRPC in the same run
+  run serve 330 python bench/serve.py --model qwen3-0.6b --device cuda --clients 4 --out "$out/serve_h200.md"
+  run http-vs-grpc 250 python bench/http_vs_grpc.py --model qwen3-0.6b --device cuda --repeats 2 --out "$out/http_vs_grpc_h200.md"
 fi
 if has d; then
   run throughput-hf-peer 500 python bench/throughput.py --peer hf --out "$out/throughput_h200_hf_peer.md"
