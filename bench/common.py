@@ -63,6 +63,18 @@ CONFIGS = {
     "qwen3-0.6b-hybrid": hybrid(QWEN3_0_6B, 1024),
     "tiny-hybrid": hybrid(TINY, 32),
 }
+# The real Qwen2 tokenizer (151,936 ids; its README says where it comes from), for benchmarks
+# that time what a user's model brings: detokenization of every generated token.
+QWEN2_TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "qwen2_tokenizer"
+
+
+def add_tokenizer(model_dir: str | Path, tokenizer_dir: Path = QWEN2_TOKENIZER) -> None:
+    """Copy a tokenizer's files (tokenizer.json, its config, the chat template) into a model directory."""
+    import shutil
+
+    for f in tokenizer_dir.iterdir():
+        if f.suffix in (".json", ".jinja"):
+            shutil.copy(f, model_dir)
 
 
 def model_dir_for(name_or_path: str) -> tuple[str, bool]:

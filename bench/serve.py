@@ -47,10 +47,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import add_tokenizer  # noqa: E402
 from bench.serve_clients import Job, run_clients, summarize  # noqa: E402
 from bench.serve_embedded import run_embedded  # noqa: E402
-
-TOKENIZER_FIXTURE = ROOT / "tests" / "fixtures" / "qwen2_tokenizer"
 
 
 def free_port() -> int:
@@ -93,9 +92,7 @@ def prepare_model(model: str | None, weights: bool = True) -> tuple[str, str | N
             from bench.common import CONFIGS
 
             Path(tmp, "config.json").write_text(json.dumps(CONFIGS[model]))
-        for f in TOKENIZER_FIXTURE.iterdir():
-            if f.suffix in (".json", ".jinja"):
-                shutil.copy(f, tmp)
+        add_tokenizer(tmp)
         return tmp, tmp
     return model, None
 

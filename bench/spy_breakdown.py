@@ -19,7 +19,10 @@ from pathlib import Path
 
 # (category, patterns): a stack matching any pattern belongs to the category.
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
-    ("engine: detokenization (two tokenizer decodes per token)", ("IncrementalDetokenizer.step",)),
+    (
+        "engine: detokenization (one batched decode per step)",
+        ("IncrementalDetokenizer.step_batch", "Detokenizers.step"),
+    ),
     ("engine: a RequestOutput per request per step", ("LLMEngine._output",)),
     ("engine: stop checks, appending tokens", ("LLMEngine._process_one", "LLMEngine._process")),
     ("engine: hand-off to the event loop (call_soon_threadsafe per output)", ("AsyncLLM._deliver",)),

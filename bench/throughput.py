@@ -5,6 +5,12 @@ and output lengths). Results of the H200 runs: bench/results/throughput_h200*.md
     python bench/throughput.py --model tiny --device cpu --num-seqs 16 --max-len 128   # a quick try on the CPU
     python bench/throughput.py --model path/to/hf-dir
 
+The first row is the path users take (`--no-user-path` leaves it out): in a fresh process,
+`LLM(model=dir)` with every default over the model's directory (a named config: random
+weights written with the real Qwen2 tokenizer beside them), so every output token is
+detokenized; one tiny warm-up generate, one timed generate of the workload (nano-vllm's
+protocol). The second is the in-memory model without a tokenizer, as the bench always timed it.
+
 Prints output tokens, seconds, tok/s, the bandwidth roofline computed for this very workload
 from the measured copy bandwidth (each decode step reads the weights once plus all live K/V;
 prefill at the measured matmul rate), and the fraction of it reached.
@@ -76,6 +82,46 @@ def run_embedded(args):
         max_num_batched_tokens=args.max_num_batched_tokens,
         async_scheduling=args.overlap,
     )
+
+
+def _user_path_main(model_dir: str, num_seqs: int, max_len: int, skip_tokenizer_init: bool, conn) -> None:
+    """The child process of user_path_run."""
+    from scheduler_svc.llm import LLM
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True) if skip_tokenizer_init else LLM(model=model_dir)
+    prompts, params = make_workload(num_seqs, max_len, max_len)
+    conn.send(timed_generate(llm, prompts, params, llm.engine.model.device))
+    conn.close()
+
+
+def user_path_run(
+    model: str, num_seqs: int, max_len: int, skip_tokenizer_init: bool = False
+) -> tuple[float, int, int, int]:
+    """The path users take, nano-vllm's protocol: in a fresh process, `LLM(model=dir)` with
+    every default (the directory's tokenizer detokenizes every output token), one tiny warm-up
+    generate, one timed generate of the workload. A named config (bench/common.py) gets a
+    directory of random weights with the real Qwen2 tokenizer (bench/serve.py's prepare_model).
+    skip_tokenizer_init: the one setting changed, for what detokenization costs on this path.
+    Returns what timed_generate does: seconds, output tokens, steps, preemptions."""
+    import multiprocessing as mp
+    import shutil
+
+    from bench.serve import prepare_model
+
+    model_dir, tmp = prepare_model(model)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_user_path_main, args=(model_dir, num_seqs, max_len, skip_tokenizer_init, child))
+    proc.start()
+    child.close()
+    try:
+        return parent.recv()
+    except EOFError:
+        raise SystemExit(f"the user-path run failed (exit {proc.join() or proc.exitcode})") from None
+    finally:
+        proc.join()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run_service(args, runner_config_path: str, model=None):
@@ -285,6 +331,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--check", action="store_true", help="first check greedy parity of the optimized path vs the plain one"
     )
+    ap.add_argument(
+        "--user-path",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first time the user path: LLM(model=dir) with defaults and the real tokenizer, in a fresh process",
+    )
+    ap.add_argument(
+        "--user-path-skip-tokenizer",
+        action="store_true",
+        help="then the user path again with skip_tokenizer_init=True (what detokenization costs there)",
+    )
     ap.add_argument("--out", default=None, help="write a markdown result here (default: print only)")
     return ap.parse_args()
 
@@ -357,6 +414,9 @@ def main() -> None:
     if dev.type == "cpu":
         torch.set_num_threads(1)  # as the model service runs on the CPU: a like-for-like comparison
     prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)
+    user = [user_path_run(args.model, args.num_seqs, args.max_len)] if args.user_path else []
+    if args.user_path and args.user_path_skip_tokenizer:
+        user.append(user_path_run(args.model, args.num_seqs, args.max_len, skip_tokenizer_init=True))
     parity = []
     if args.check:
         from bench.parity import check_parity
@@ -402,8 +462,9 @@ def main() -> None:
     lines = [
         "| mode | output tokens | seconds | tok/s | roofline tok/s | fraction | steps | preemptions |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| embedded | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | "
-        f"{embedded_steps} | {embedded_preemptions} |",
+        *(user_path_row(run, roof, skip_tokenizer_init=i == 1) for i, run in enumerate(user)),
+        f"| embedded, in-memory model, no tokenizer | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} "
+        f"| {tok_s / roof:.1%} | {embedded_steps} | {embedded_preemptions} |",
         *extra_rows,
         *(
             ["", f"repeats in one process (tok/s, in order): {', '.join(f'{r[1] / r[0]:,.0f}' for r in runs)}"]
@@ -422,6 +483,16 @@ def main() -> None:
     print("\n".join(lines))
     if args.out:
         write_result(args.out, "Offline throughput (nano-vllm workload)", env, "\n".join(lines))
+
+
+def user_path_row(user: tuple[float, int, int, int], roof: float, skip_tokenizer_init: bool = False) -> str:
+    seconds, num_out, steps, preemptions = user
+    tok_s = num_out / seconds
+    what = "skip_tokenizer_init=True, else defaults" if skip_tokenizer_init else "defaults, Qwen2 tokenizer"
+    return (
+        f"| user path: LLM(model=dir), {what}, fresh process | {num_out} | {seconds:.2f} "
+        f"| {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.1%} | {steps} | {preemptions} |"
+    )
 
 
 def notes(phase_rows: list[str], parity: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.auth import REDIS_URL_ENV, mask_url, read_secret
+from contracts.engine_fields import check_fields
 
 # The default model (stories260k, shipped inside the model service's package): the model
 # section's and the embedded engine's default.
@@ -47,12 +48,6 @@ def _check_address(name: str, value: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{name} must be host:port, got {value!r}")
-
-
-def check_preemption_mode(name: str, value: str) -> None:
-    """The one check of a preemption mode, for the service config and the embedded engine's."""
-    if value not in ("swap", "recompute"):
-        raise ValueError(f"{name} must be 'swap' or 'recompute', got {value!r}")
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -100,13 +95,11 @@ class SchedulerSection:
         _positive("scheduler", self, "dependency_timeout_s", "peer_down_after_s")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("scheduler.tls_cert and scheduler.tls_key go together: set both or neither")
+        check_fields(self, "scheduler.")
         _positive(
             "scheduler",
             self,
             "max_waiting",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_model_len",
             "rpc_timeout_s",
             "retry_window_s",
             "startup_timeout_s",
@@ -118,7 +111,6 @@ class SchedulerSection:
                 raise ValueError(f"scheduler.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"scheduler.metrics_port must be a port number, got {self.metrics_port!r}")
-        check_preemption_mode("scheduler.preemption_mode", self.preemption_mode)
         if self.drain_timeout_s < 0:
             raise ValueError(f"scheduler.drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
 
@@ -155,20 +147,7 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         _check_address("model.address", self.address)
-        bs = self.block_size
-        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
-            raise ValueError(f"model.block_size must be a power of two, got {bs!r}")
-        _positive("model", self, "num_gpu_blocks", "max_num_batched_tokens", "torch_threads")
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
-            raise ValueError(f"model.num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"model.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.swap_space_gib < 0:
-            raise ValueError(f"model.swap_space_gib must be >= 0, got {self.swap_space_gib!r}")
-        if self.dtype not in (None, "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
-            raise ValueError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kernel_backend not in (None, "torch", "triton"):
-            raise ValueError(f"model.kernel_backend must be 'torch' or 'triton', got {self.kernel_backend!r}")
+        check_fields(self, "model.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,13 +160,14 @@ class HttpSection:
     chat_template: str | None = None  # a Jinja file, for a tokenizer without a chat template
     max_request_bytes: int = 4 << 20  # a larger HTTP body gets 413 before it is parsed
     tls_ca: str | None = None  # PEM the gateway trusts for the scheduler's TLS; None: scheduler.tls_cert
+    workers: int | None = None  # gateway processes on the one port; None: one per 4 CPUs, 1 to 4 (http_svc.workers)
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("http.host must not be empty")
         if not 0 <= self.port < 65536:
             raise ValueError(f"http.port must be a port number, got {self.port!r}")
-        _positive("http", self, "max_request_bytes")
+        _positive("http", self, "max_request_bytes", "workers")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("http.served_model_name must not be blank")
 

@@ -67,9 +67,18 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
-        if self._clean_up:
-            for before, after in _CLEANUPS:
-                text = text.replace(before, after)
+        return self._cleaned(text) if self._clean_up else text
+
+    def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        """decode() of each sequence, in one call: the backend decodes them in Rust, in
+        parallel, without holding the interpreter lock."""
+        texts = self.backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+        return [self._cleaned(t) for t in texts] if self._clean_up else texts
+
+    @staticmethod
+    def _cleaned(text: str) -> str:
+        for before, after in _CLEANUPS:
+            text = text.replace(before, after)
         return text
 
     def convert_ids_to_tokens(self, token_id: int) -> str | None:

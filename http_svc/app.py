@@ -13,13 +13,22 @@ FastAPI's default would be 422).
 from __future__ import annotations
 
 import hmac
+import os
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 from starlette.exceptions import HTTPException
 
 from http_svc.backend import SchedulerBackend
@@ -54,8 +63,20 @@ class HttpMetrics:
             registry=self.registry,
         )
         self.in_progress = Gauge(
-            "picovllm_http_requests_in_progress", "HTTP requests being answered", registry=self.registry
+            "picovllm_http_requests_in_progress",
+            "HTTP requests being answered",
+            registry=self.registry,
+            multiprocess_mode="livesum",  # several workers (http_svc.workers): the sum over the live ones
         )
+
+    def exposed(self) -> CollectorRegistry:
+        """What /metrics shows: this process's registry, or with several workers every
+        worker's values (prometheus-client's multiprocess mode)."""
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by http_svc.workers
+            return self.registry
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return registry
 
 
 class Guards:
@@ -172,7 +193,7 @@ def create_app(backend: SchedulerBackend, api_key: str | None, max_request_bytes
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.exposed()), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(Guards, metrics=metrics, api_key=api_key, max_request_bytes=max_request_bytes)
     return app

@@ -91,8 +91,14 @@ def make_backend(config: ServiceConfig, creds: Credentials) -> SchedulerBackend:
     )
 
 
-async def serve(config: ServiceConfig, credentials: Credentials | None = None) -> None:
-    """Run until SIGTERM/SIGINT (uvicorn's own handlers)."""
+async def serve(
+    config: ServiceConfig,
+    credentials: Credentials | None = None,
+    sock: socket.socket | None = None,
+    announce_ready: bool = True,
+) -> None:
+    """Run until SIGTERM/SIGINT. sock: a listening socket to serve on (a worker's, shared;
+    http_svc.workers), else this binds its own; announce_ready: print the readiness line."""
     h = config.http
     creds = credentials or Credentials()
     if h.chat_template is not None:  # unreadable: one line now, not a failure later
@@ -100,7 +106,7 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
             _read(h.chat_template)
         except OSError as exc:
             raise ValueError(f"cannot read the chat template {h.chat_template}: {exc.strerror}") from None
-    sock = bind(h.host, h.port)
+    sock = sock if sock is not None else bind(h.host, h.port)
     port = sock.getsockname()[1]
     backend = make_backend(config, creds)
     app = create_app(backend, creds.api_key, h.max_request_bytes)
@@ -122,7 +128,8 @@ async def serve(config: ServiceConfig, credentials: Credentials | None = None) -
     try:
         await asyncio.wait({serving, ready}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and ready.exception() is None:
-            announce(f"http gateway ready: {url(h.host, port)} (OpenAI-compatible API, model {backend.model_name})")
+            if announce_ready:
+                announce(f"http gateway ready: {url(h.host, port)} (OpenAI-compatible API, model {backend.model_name})")
         elif ready.done():  # the tokenizer did not load: nothing to serve
             server.should_exit = True
             await serving

@@ -7,7 +7,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.service_config import BUNDLED_MODEL, check_preemption_mode
+from contracts.engine_fields import check_fields
+from contracts.service_config import BUNDLED_MODEL
 
 # Hugging Face's repo id forms, "name" or "namespace/name"; anything else is a path.
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -67,30 +68,7 @@ class EngineConfig:
     torch_threads: int | None = None  # CPU threads for torch; None: one for a small model, else one per core
 
     def __post_init__(self) -> None:
-        bs = self.block_size
-        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
-            raise ValueError(f"block_size must be a power of two, got {bs!r}")
-        for name in ("num_gpu_blocks", "num_cpu_blocks", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
-        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
-            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.swap_space_gib < 0:
-            raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
-        check_preemption_mode("preemption_mode", self.preemption_mode)
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
-            raise ValueError(f"torch_threads must be a positive integer or None, got {self.torch_threads!r}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.dtype not in (None, "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kernel_backend not in (None, "torch", "triton"):
-            raise ValueError(f"kernel_backend must be 'torch' or 'triton', got {self.kernel_backend!r}")
+        check_fields(self)
         # A repo id becomes its snapshot directory here, once, so that everything reading the
         # config (the model runner, the tokenizer) gets a local directory.
         object.__setattr__(self, "model", resolve_model(self.model))

@@ -27,7 +27,7 @@ from contracts.step import StepInput, StepOutput
 from contracts.tokenizer import load_tokenizer
 from kvcache_svc import KVCacheManager
 from scheduler_svc.config import EngineConfig
-from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.detokenizer import Detokenizers
 from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.prompt_ids import checked_ids, is_token
 from scheduler_svc.request import Request
@@ -81,22 +81,13 @@ class LLMEngine:
                 model.num_device_blocks, model.num_host_blocks, config.block_size, config.enable_prefix_caching
             )
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_num_seqs,
-                config.max_num_batched_tokens,
-                config.preemption_mode,
-                config.enable_chunked_prefill,
-                self._max_model_len(model, config),
-            ),
-            self.kv,
-        )
+        self.scheduler = Scheduler(SchedulerConfig.of(config, self._max_model_len(model, config)), self.kv)
         self.max_model_len = self.scheduler.config.max_model_len
         self.limits = RequestLimits()  # per-request caps (service mode: the scheduler section's)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, Stream] = {}
-        self._detokenizers: dict[bool, IncrementalDetokenizer] = {}
+        self._detok = Detokenizers(tokenizer)
         self._ids = itertools.count()
         # False: step() returns finished requests only (offline use); "delta" (the engine process,
         # scheduler_svc.engine_core): a running request without logprobs comes as the tuple
@@ -165,8 +156,9 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, self.eos_token_ids, cache_salt, prompt_bytes=token_bytes)
         self.scheduler.add(req)
         self.requests[request_id] = req
-        detok = self._detokenizer(params.skip_special_tokens)
-        self._streams[request_id] = Stream(prompt if isinstance(prompt, str) else None, detok.start(len(token_ids)))
+        self._streams[request_id] = Stream(
+            prompt if isinstance(prompt, str) else None, self._detok.start(len(token_ids))
+        )
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -280,29 +272,48 @@ class LLMEngine:
         return outputs
 
     def _process(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+        """Append each request's token, detokenize them all in one batch, then each request's
+        stop checks and output; a failure in a request's phases fails it alone."""
         sampled = {t.seq_id: t for t in result.sampled}
-        outputs = []
+        outputs: list[RequestOutput] = []
+        reqs: list[Request] = []
         now = time.monotonic()
         for req, seq in sched.scheduled():
             if not seq.sample or req.finished:
                 continue
             try:
-                out = self._process_one(req, sampled[req.request_id], now)
+                self._append(req, sampled[req.request_id], now)
+                reqs.append(req)
             except Exception as exc:  # noqa: BLE001 - this request's own phases: it fails alone
-                logger.exception("request %s failed while its tokens were processed", req.request_id)
-                out = self._fail(req, RequestFailed(f"request {req.request_id} failed: {exc!r}"))
+                outputs.append(self._failed_processing(req, exc))
+        streams = [self._streams[req.request_id].detok for req in reqs]
+        skip = [req.sampling.skip_special_tokens for req in reqs]
+        errors = self._detok.step(streams, [req.token_ids for req in reqs], skip)
+        for req, error in zip(reqs, errors):
+            try:
+                if error is not None:
+                    raise error
+                out = self._process_one(req)
+            except Exception as exc:  # noqa: BLE001 - this request's own phases: it fails alone
+                out = self._failed_processing(req, exc)
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _process_one(self, req: Request, token: Any, now: float) -> RequestOutput | None:
-        """Append one request's sampled token(s): stop checks, detokenization, its output."""
+    def _failed_processing(self, req: Request, exc: Exception) -> RequestOutput:
+        logger.error("request %s failed while its tokens were processed", req.request_id, exc_info=exc)
+        return self._fail(req, RequestFailed(f"request {req.request_id} failed: {exc!r}"))
+
+    def _append(self, req: Request, token: Any, now: float) -> None:
         req.num_pending -= 1
         if req.first_token_time is None:
             req.first_token_time = now
         if req.sampling.logprobs is not None and token.logprob is not None:
             req.logprobs.append((token.logprob, token.top_logprobs or []))
         req.token_ids.append(token.token_id)
+
+    def _process_one(self, req: Request) -> RequestOutput | None:
+        """One request's detokenized token: its stop checks, its output."""
         self._check_stop(req)
         if not (self.stream_outputs or req.finished):
             return None
@@ -311,24 +322,10 @@ class LLMEngine:
         return cast(RequestOutput, self._output(req))
 
     def _check_stop(self, req: Request) -> None:
-        params, stream = req.sampling, self._streams[req.request_id]
+        params, detok = req.sampling, self._streams[req.request_id].detok
         token = req.token_ids[-1]
-        delta = (
-            self._detokenizer(params.skip_special_tokens).step(stream.detok, req.token_ids)
-            if self.tokenizer is not None
-            else ""
-        )
-        if params.stop and delta:
-            text = stream.detok.text
-            # Each string is searched only where it could end in the new text: a long one
-            # does not make every short one scan its window too.
-            end = len(text) - len(delta) + 1
-            hits = [(text.find(s, max(0, end - len(s))), s) for s in params.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                idx, s = min(hits)
-                stream.detok.text = text[:idx]
-                return self._finish(req, "stop", s)
+        if params.stop and detok.delta and (s := detok.cut_at_stop(params.stop)) is not None:
+            return self._finish(req, "stop", s)
         if token in params.stop_token_ids:
             return self._finish(req, "stop", token)
         if not params.ignore_eos and token in req.eos_token_ids:
@@ -431,14 +428,6 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
             self._streams.pop(req.request_id, None)
         return out
-
-    def _detokenizer(self, skip_special_tokens: bool) -> IncrementalDetokenizer:
-        detok = self._detokenizers.get(skip_special_tokens)
-        if detok is None:
-            detok = self._detokenizers[skip_special_tokens] = IncrementalDetokenizer(
-                self.tokenizer, skip_special_tokens
-            )
-        return detok
 
 
 def _finished(launched: Any) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from contracts.step import PLACEHOLDER, SeqStep, StepInput
 from kvcache_svc import KVCacheManager, NoFreeBlocks, Tier
@@ -32,6 +33,18 @@ class SchedulerConfig:
     preemption_mode: str = "swap"  # "swap" | "recompute"
     enable_chunked_prefill: bool = True
     max_model_len: int = 1 << 30
+
+    @classmethod
+    def of(cls, config: Any, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's share of a validated EngineConfig; max_model_len: the smaller of the
+        configured one and what the model and the device pool allow."""
+        return cls(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.preemption_mode,
+            config.enable_chunked_prefill,
+            max_model_len,
+        )
 
 
 @dataclass(slots=True)

@@ -73,6 +73,7 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--port": ("http", "port", int, "the HTTP gateway's port; 0: `serve all` starts no gateway"),
     "--served-model-name": ("http", "served_model_name", str, "the model's name in the HTTP API"),
     "--chat-template": ("http", "chat_template", str, "a Jinja chat template file, for a tokenizer without one"),
+    "--http-workers": ("http", "workers", int, "HTTP gateway processes sharing its port"),
 }  # fmt: skip
 # What a default of None means, where the help cannot just show the value.
 NONE_MEANS = {
@@ -87,6 +88,7 @@ NONE_MEANS = {
     "tls_key": "none",
     "served_model_name": "the basename of the model directory",
     "chat_template": "the tokenizer's",
+    "workers": "one per 4 CPUs, 1 to 4",
 }
 # Files of secrets: flag -> (environment variable, help). The variable itself, or VAR_FILE
 # naming a file, works as well; the flag wins.
@@ -268,6 +270,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.kind == "all":
         return serve_all(args, config, creds)
     try:
+        if args.kind == "http":
+            from http_svc.workers import run as run_http
+
+            return run_http(config, creds)
         asyncio.run(_serve_one(args.kind, config, creds))
     except (OSError, ValueError, PicoError) as exc:  # a taken port, a model that cannot load, peers that never came up
         logger.debug("the %s service failed to start", args.kind, exc_info=True)
@@ -300,10 +306,6 @@ async def _serve_one(kind: str, config, creds: Credentials) -> None:
 
         s = config.scheduler
         await serve_model(config.model, s.max_num_seqs, creds.internal_token, async_scheduling=s.async_scheduling)
-    elif kind == "http":
-        from http_svc.server import serve as serve_http
-
-        await serve_http(config, creds)
     else:
         from scheduler_svc.server import serve as serve_scheduler
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU results of bench/results/ in parts that each fit one ten-minute run.
-# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|h|s|all]
+# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|h|s|u|all]
 #   a: GPU tests and numerics, greedy parity (bf16 Qwen3-0.6B shape), per-phase device times
 #      (B=1 and B=256), host profile of the engine step
 #   b: headline throughput embedded + service mode (with the parity check), batch-1 latency,
@@ -14,6 +14,8 @@
 #   g: batch-1 latency, swap vs recompute, prefix caching
 #   h: GPU tests and the headline (embedded, workload warm-up)
 #   s: the service as users call it: streaming gRPC (256 and 8 streams) and HTTP vs embedded
+#   u: the user path: LLM(model=dir) with defaults and the real Qwen2 tokenizer (then the
+#      in-memory row); detokenization's cost on this host's CPU, both decode paths
 #   d: transformers' continuous batching on the headline workload (BENCHMARKS.md: ~618 tok/s)
 set -uo pipefail
 out="${1:-bench/results}"
@@ -32,9 +34,9 @@ if has a; then
   TAIL=45 run profile-step 100 python bench/profile_step.py --top 30
 fi
 if has b; then
-  run throughput 150 python bench/throughput.py --repeats 3 --out "$out/throughput_h200.md"
-  run throughput-sync 150 python bench/throughput.py --no-overlap --repeats 3 --out "$out/throughput_h200_sync.md"
-  run throughput-service 240 python bench/throughput.py --check --mode service --out "$out/throughput_h200_service.md"
+  run throughput 150 python bench/throughput.py --no-user-path --repeats 3 --out "$out/throughput_h200.md"
+  run throughput-sync 150 python bench/throughput.py --no-user-path --no-overlap --repeats 3 --out "$out/throughput_h200_sync.md"
+  run throughput-service 240 python bench/throughput.py --no-user-path --check --mode service --out "$out/throughput_h200_service.md"
   run latency 90 python bench/latency.py --out "$out/latency_h200.md"
   run prefix 120 python bench/prefix.py --out "$out/prefix_h200.md"
 fi
@@ -43,7 +45,7 @@ if has c; then
   run linear 60 python bench/linear.py --out "$out/linear_h200.md"
   run prefix-sync 120 python bench/prefix.py --no-overlap --out "$out/prefix_h200_sync.md"
   run swap 120 python bench/swap.py --out "$out/swap_h200.md"
-  run throughput-service-pipelined 200 python bench/throughput.py --mode service --service-pipelined --out "$out/throughput_h200_service_pipelined.md"
+  run throughput-service-pipelined 200 python bench/throughput.py --no-user-path --mode service --service-pipelined --out "$out/throughput_h200_service_pipelined.md"
 fi
 if has p; then  # a first look after changes: tests, parity, where batch-1 time goes, one throughput run
   run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
@@ -51,8 +53,8 @@ if has p; then  # a first look after changes: tests, parity, where batch-1 time 
   TAIL=40 run latency-profile 90 python bench/latency.py --profile
   run latency 90 python bench/latency.py
   TAIL=40 run profile-b1 90 python bench/profile_gpu.py --batch 1 --context 512 --temperature 0 --rows 30 --skip-eager
-  run throughput 150 python bench/throughput.py --repeats 2
-  run throughput-service-pipelined 200 python bench/throughput.py --mode service --service-pipelined
+  run throughput 150 python bench/throughput.py --no-user-path --repeats 2
+  run throughput-service-pipelined 200 python bench/throughput.py --no-user-path --mode service --service-pipelined
 fi
 if has q; then  # after kernel changes: numerics on the GPU, parity, batch-1 latency, projections, headline
   run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
@@ -61,27 +63,31 @@ if has q; then  # after kernel changes: numerics on the GPU, parity, batch-1 lat
   TAIL=36 run latency-profile 90 python bench/latency.py --profile
   run latency 90 python bench/latency.py --out "$out/latency_h200.md"
   TAIL=30 run linear 90 python bench/linear.py --rows 1,2,4,8 --out "$out/linear_h200.md"
-  run throughput 150 python bench/throughput.py --repeats 3 --out "$out/throughput_h200.md"
+  run throughput 150 python bench/throughput.py --no-user-path --repeats 3 --out "$out/throughput_h200.md"
 fi
 if has f; then  # a session's headline figures in one call: tests, embedded (depth 2 and 1), service
   run gpu-tests 120 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
-  run throughput 150 python bench/throughput.py --repeats 3 --warmup workload --out "$out/throughput_h200.md"
-  run throughput-depth-1 90 python bench/throughput.py --warmup workload --pipeline-depth 1
-  run throughput-service 200 python bench/throughput.py --check --mode service --warmup workload --out "$out/throughput_h200_service.md"
+  run throughput 150 python bench/throughput.py --no-user-path --repeats 3 --warmup workload --out "$out/throughput_h200.md"
+  run throughput-depth-1 90 python bench/throughput.py --no-user-path --warmup workload --pipeline-depth 1
+  run throughput-service 200 python bench/throughput.py --no-user-path --check --mode service --warmup workload --out "$out/throughput_h200_service.md"
 fi
 if has g; then  # the rest of a session's figures: batch-1 latency, swap, prefix caching
   run latency 70 python bench/latency.py --out "$out/latency_h200.md"
   run swap 90 python bench/swap.py --out "$out/swap_h200.md"
   run prefix 120 python bench/prefix.py --out "$out/prefix_h200.md"
 fi
+if has u; then  # the user path first, as bench/throughput.py reports it; detokenization on the host
+  run throughput-user-path 420 python bench/throughput.py --user-path-skip-tokenizer --out "$out/throughput_user_path_h200.md"
+  run detok 120 python bench/detok.py --out "$out/detok_h200_host.md"
+fi
 if has h; then  # GPU tests and the headline alone
   run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
-  run throughput 150 python bench/throughput.py --repeats 3 --warmup workload --out "$out/throughput_h200.md"
+  run throughput 150 python bench/throughput.py --no-user-path --repeats 3 --warmup workload --out "$out/throughput_h200.md"
 fi
 if has s; then  # the service through its public APIs, each against embedded or gRPC in the same run
   run serve 330 python bench/serve.py --model qwen3-0.6b --device cuda --clients 4 --out "$out/serve_h200.md"
   run http-vs-grpc 250 python bench/http_vs_grpc.py --model qwen3-0.6b --device cuda --repeats 2 --out "$out/http_vs_grpc_h200.md"
 fi
 if has d; then
-  run throughput-hf-peer 500 python bench/throughput.py --peer hf --out "$out/throughput_h200_hf_peer.md"
+  run throughput-hf-peer 500 python bench/throughput.py --no-user-path --peer hf --out "$out/throughput_h200_hf_peer.md"
 fi

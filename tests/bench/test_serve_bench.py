@@ -63,9 +63,9 @@ def test_null_model_answers_every_sampled_sequence_never_with_eos():
 def test_spy_breakdown_sorts_stacks_most_specific_first():
     from bench.spy_breakdown import classify
 
-    assert classify(
-        "EngineCore.run;LLMEngine._process;LLMEngine._process_one;LLMEngine._check_stop;IncrementalDetokenizer.step"
-    ).startswith("engine: detokenization")
+    assert classify("EngineCore.run;LLMEngine._process;Detokenizers.step;IncrementalDetokenizer.step_batch").startswith(
+        "engine: detokenization"
+    )
     assert classify("BaseEventLoop._run_once;Handle._run").startswith("loop: gRPC aio")
     assert classify("BaseEventLoop._run_once;Handle._run;SchedulerServicer.Generate;chunk_to_pb").startswith(
         "loop: protobuf"

@@ -63,6 +63,30 @@ def test_failure_in_one_requests_stop_check_fails_it_alone(llm, reference, monke
             assert done[request_id].error is None and done[request_id].token_ids == tokens
 
 
+def test_failure_in_one_requests_detokenization_fails_it_alone(llm, reference, monkeypatch):
+    """The step's batched detokenization hands back one request's decode error: that request
+    fails, the others' text and tokens stand."""
+    engine = llm.engine
+    texts = {f"r{i}": out.text for i, out in enumerate(llm.generate(PROMPTS, GREEDY))}
+    step = engine._detok.step
+
+    def failing(states, token_ids, skip):
+        errors = step(states, token_ids, skip)
+        victim, stream = engine.requests.get(VICTIM), engine._streams.get(VICTIM)
+        if victim is None or stream is None or victim.num_output_tokens != 3:
+            return errors
+        return [RuntimeError("injected: decode broke") if st is stream.detok else e for st, e in zip(states, errors)]
+
+    monkeypatch.setattr(engine._detok, "step", failing)
+    done = run(llm)
+    assert isinstance(done[VICTIM].error, RequestFailed) and "injected" in str(done[VICTIM].error)
+    assert done[VICTIM].finish_reason == "abort" and len(done[VICTIM].token_ids) == 3
+    for request_id, tokens in reference.items():
+        if request_id != VICTIM:
+            assert done[request_id].error is None and done[request_id].token_ids == tokens
+            assert done[request_id].text == texts[request_id]
+
+
 def test_failure_in_one_sequences_sampling_fails_it_alone(llm, reference, monkeypatch):
     """The sampler breaks on a batch holding the victim's row (its marker: a seed); the batch
     is retried row by row, the victim is named and failed, the others recomputed."""
