@@ -58,7 +58,22 @@ TINY = dict(
     head_dim=32,
     torch_dtype="float32",
 )
-CONFIGS = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "tiny": TINY}
+
+
+def hybrid(config: dict, window: int) -> dict:
+    """The config with every other layer sliding-window attention (window tokens), the
+    hybrid layout of bench/hybrid.py."""
+    layer_types = ["full_attention", "sliding_attention"] * (config["num_hidden_layers"] // 2)
+    return dict(config, use_sliding_window=True, sliding_window=window, layer_types=layer_types)
+
+
+CONFIGS = {
+    "qwen3-0.6b": QWEN3_0_6B,
+    "qwen3-8b": QWEN3_8B,
+    "tiny": TINY,
+    "qwen3-0.6b-hybrid": hybrid(QWEN3_0_6B, 1024),
+    "tiny-hybrid": hybrid(TINY, 32),
+}
 # The real Qwen2 tokenizer (151,936 ids; its README says where it comes from), for benchmarks
 # that time what a user's model brings: detokenization of every generated token.
 QWEN2_TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "qwen2_tokenizer"

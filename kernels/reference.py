@@ -10,6 +10,11 @@ Shapes (per layer):
                        entries past a sequence's last block are ignored (may hold anything)
     seq_lens         : (B,) int32, context length of each sequence *including* the tokens of
                        this step (their K/V are already stored when attention runs)
+    window           : 0 = full causal attention; W > 0 = sliding window as transformers
+                       masks it: the query at position p sees the keys at p - W < k <= p.
+                       Table entries of blocks that lie wholly before every query's window
+                       are never read (they may hold anything, e.g. a released block's
+                       placeholder).
 
 A token at position p of a sequence lives in physical block block_tables[b, p // block_size],
 slot p % block_size.
@@ -36,18 +41,34 @@ def store_kvcache_ref(
     v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
 
 
-def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """(L, Hkv, D): the first seq_len tokens of one sequence, gathered through its table."""
+def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """(end - start, Hkv, D): tokens [start, end) of one sequence, gathered through its table
+    (only the blocks holding them are read)."""
     block_size = cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks].long()
-    return cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+    first, last = start // block_size, (end + block_size - 1) // block_size
+    blocks = block_table[first:last].long()
+    tokens = cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])
+    return tokens[start - first * block_size : end - first * block_size]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None) -> torch.Tensor:
+def _key_start(first_query_pos: int, window: int) -> int:
+    """The first key position any query from first_query_pos on sees."""
+    return max(0, first_query_pos - window + 1) if window > 0 else 0
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    q_pos0: int,
+    k_pos0: int,
+    window: int,
+) -> torch.Tensor:
     """q (Lq, Hq, D), k/v (Lk, Hkv, D) -> (Lq, Hq, D), computed in fp32.
 
-    causal_offset: query i sits at context position causal_offset + i and sees keys <= it.
+    Query i sits at context position q_pos0 + i, key j at k_pos0 + j; a query sees the keys at
+    positions <= its own and, with window > 0, > its own - window.
     """
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_q_heads // num_kv_heads
@@ -55,11 +76,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, Lk, D)
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # (Hq, Lq, Lk)
-    if causal_offset is not None:
-        lq, lk = q.shape[0], k.shape[0]
-        q_pos = torch.arange(lq, device=q.device)[:, None] + causal_offset
-        k_pos = torch.arange(lk, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    q_pos = torch.arange(q.shape[0], device=q.device)[:, None] + q_pos0
+    k_pos = torch.arange(k.shape[0], device=q.device)[None, :] + k_pos0
+    hidden = k_pos > q_pos
+    if window > 0:
+        hidden |= k_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vf).transpose(0, 1)  # (Lq, Hq, D)
 
@@ -71,15 +93,17 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,  # (B, max_blocks) int32
     seq_lens: torch.Tensor,  # (B,) int32, >= 1
     scale: float,
+    window: int = 0,  # sliding window (0: full attention)
 ) -> torch.Tensor:  # (B, Hq, D), dtype of q
-    """The query of sequence b attends to all seq_lens[b] cached tokens (GQA: query head h
-    reads KV head h // (Hq // Hkv))."""
+    """The query of sequence b (at position seq_lens[b] - 1) attends to all seq_lens[b] cached
+    tokens, or to the last `window` of them (GQA: query head h reads KV head h // (Hq // Hkv))."""
     out = torch.empty_like(q)
     lens = seq_lens.tolist()
     for b, seq_len in enumerate(lens):
-        k = _gather_seq(k_cache, block_tables[b], seq_len)
-        v = _gather_seq(v_cache, block_tables[b], seq_len)
-        out[b] = _attend(q[b : b + 1], k, v, scale, causal_offset=None)[0].to(q.dtype)
+        start = _key_start(seq_len - 1, window)
+        k = _gather_seq(k_cache, block_tables[b], start, seq_len)
+        v = _gather_seq(v_cache, block_tables[b], start, seq_len)
+        out[b] = _attend(q[b : b + 1], k, v, scale, seq_len - 1, start, window)[0].to(q.dtype)
     return out
 
 
@@ -107,10 +131,12 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor,  # (B,) int32, context length incl. the new tokens
     scale: float,
     max_query_len: int = 0,  # the most new tokens of one sequence if known (a hint for kernels' tiling; unused here)
+    window: int = 0,  # sliding window (0: full attention)
 ) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
     """Causal attention for a ragged batch of new tokens whose earlier context (prefix-cache
     hits, earlier prefill chunks) and own K/V are already in the paged cache. The new tokens
-    of sequence b occupy context positions seq_lens[b] - q_len_b .. seq_lens[b] - 1."""
+    of sequence b occupy context positions seq_lens[b] - q_len_b .. seq_lens[b] - 1; with a
+    window each sees only the keys of its window."""
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -119,9 +145,11 @@ def paged_prefill_attention_ref(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = _gather_seq(k_cache, block_tables[b], seq_len)
-        v = _gather_seq(v_cache, block_tables[b], seq_len)
-        out[q_start:q_end] = _attend(q[q_start:q_end], k, v, scale, causal_offset=seq_len - q_len).to(q.dtype)
+        q_pos0 = seq_len - q_len
+        start = _key_start(q_pos0, window)
+        k = _gather_seq(k_cache, block_tables[b], start, seq_len)
+        v = _gather_seq(v_cache, block_tables[b], start, seq_len)
+        out[q_start:q_end] = _attend(q[q_start:q_end], k, v, scale, q_pos0, start, window).to(q.dtype)
     return out
 
 

@@ -245,3 +245,15 @@ def softmax_step(qk, m_i, l_i, scale_log2):
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def softmax_step_safe(qk, m_i, l_i, scale_log2):
+    """softmax_step for tiles in which a row may have seen no key yet (a sliding window that
+    starts further on): such a row keeps m = -inf and gets p = 0, l = 0 instead of NaN."""
+    s = qk * scale_log2
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - shift[:, None])
+    alpha = tl.exp2(m_i - shift)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)

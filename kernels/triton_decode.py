@@ -8,7 +8,8 @@ program writes its chunk's normalised partial output and log-sum-exp to scratch,
 ticket from an arrival counter of its (sequence, KV head); the program that arrives last
 combines the group's partials, writes the output and sets the counter back to zero for the
 next launch (so the counters live across launches and CUDA graph replays; see
-`arrival_counters`). There is no second kernel.
+`arrival_counters`). There is no second kernel. With a sliding window the context is the
+last `window` tokens only: the splits cut that, and no earlier table entry is read.
 
 Contract: `paged_decode_attention` has the signature and semantics of
 `kernels.reference.paged_decode_attention_ref`.
@@ -130,29 +131,30 @@ def attend_pages(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # eager batches have a per-step table width
+@triton.jit(do_not_specialize=["num_splits", "window", "stride_bt"])  # eager batches have a per-step table width
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-    scale_log2, num_splits,
+    scale_log2, num_splits, window,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
     FIX_BF16: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    ctx_start = tl.maximum(seq_len - window, 0) if WINDOWED else 0  # the first key the query sees
+    ctx_len = seq_len - ctx_start
+    chunk = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+    start = ctx_start + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -183,7 +185,7 @@ def _decode_split_kernel(
         # Only the first num_used splits hold keys (fewer than num_splits when the sequence is
         # shorter than the longest; none when seq_len is 0): the others store no partials, and
         # the combine reads only these.
-        num_used = tl.cdiv(seq_len, tl.maximum(chunk, 1))
+        num_used = tl.cdiv(ctx_len, tl.maximum(chunk, 1))
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l = 0 only in unused splits
         out = acc / l_safe[:, None]
         lse = m_i + tl.log2(l_safe)
@@ -282,6 +284,7 @@ def decode_with_config(
     config: DecodeConfig | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # (B, Hq, D), contiguous; allocated when None
+    window: int = 0,  # sliding window (0: full attention)
 ) -> torch.Tensor:  # (B, Hq, D), dtype of q
     """paged_decode_attention with an explicit tile config, split count and output buffer (for
     tests and benchmarks); None picks the defaults."""
@@ -298,6 +301,8 @@ def decode_with_config(
         config = default_decode_config(q.dtype, head_dim)
     if num_splits is None:
         max_len = block_tables.shape[1] * page  # host-known bound: no device sync
+        if window > 0:
+            max_len = min(max_len, window)
         num_splits = pick_num_splits(batch, num_kv_heads, max_len, num_sms(q.device), config.block_n)
 
     group = num_q_heads // num_kv_heads
@@ -319,7 +324,7 @@ def decode_with_config(
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, part_out, part_lse, counters,
-        scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -330,7 +335,7 @@ def decode_with_config(
         DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
         SPLIT_P=config.split_p and split_p(q.dtype),
         FIX_BF16=fix_bf16_rounding(q.dtype), GROUP_P2=group_p2, BLOCK_S=block_s,
-        **pdl_launch(q.device),
+        **pdl_launch(q.device), WINDOWED=window > 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
@@ -343,6 +348,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # (B, max_blocks) int32
     seq_lens: torch.Tensor,  # (B,) int32, >= 1
     scale: float,
+    window: int = 0,  # sliding window (0: full attention)
 ) -> torch.Tensor:  # (B, Hq, D), dtype of q
     """Triton version of kernels.reference.paged_decode_attention_ref."""
-    return decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, scale, window=window)

@@ -15,7 +15,8 @@ so the last (longest-context) tiles start first.
 
 Each program walks the key tiles in two phases: tiles every query row of the tile may see in
 full (no mask), then the tiles across the diagonal (causal mask). Tiles past the diagonal are
-never read.
+never read. With a sliding window a first phase comes before them: the tiles across the
+window's lower edge (masked); keys before the first row's window are never read.
 
 Contract: `paged_prefill_attention` has the signature and semantics of
 `kernels.reference.paged_prefill_attention_ref`.
@@ -40,6 +41,7 @@ from kernels.triton_common import (
     next_pow2,
     round_to,
     softmax_step,
+    softmax_step_safe,
     split_p,
     upcast_dot,
 )
@@ -99,20 +101,76 @@ def _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _masked_tiles(
+    q, q_pos, table, k_head, v_head, kv_start, kv_end, window, acc, m_i, l_i,
+    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, d_mask,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr, WINDOWED: tl.constexpr,
+):  # fmt: skip
+    """The key tiles [kv_start, kv_end) under the causal mask (and the window's, WINDOWED),
+    folded into the online softmax (acc, m_i, l_i) of the rows at positions q_pos."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
+    for n0 in range(kv_start, kv_end, BLOCK_N):
+        tok = n0 + offs_n
+        t_mask = tok < kv_end
+        block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
+        slot = tok % PAGE
+        k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                      t_mask, d_mask, True, D_MASK)  # fmt: skip
+        qk = mma(q, tl.trans(k), PRECISION, UPCAST)
+        visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        if WINDOWED:  # a row may have no visible key in a tile, nor yet any: the safe step
+            visible = visible & (tok[None, :] > q_pos[:, None] - window)
+            qk = tl.where(visible, qk, float("-inf"))
+            p, alpha, m_i, l_i = softmax_step_safe(qk, m_i, l_i, scale_log2)
+        else:
+            qk = tl.where(visible, qk, float("-inf"))
+            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
+        v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                      t_mask, d_mask, True, D_MASK)  # fmt: skip
+        acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _window_edge_tiles(
+    q, q_pos, table, k_head, v_head, first_pos, kv_end, window, acc, m_i, l_i,
+    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, d_mask,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
+):  # fmt: skip
+    """Sliding window, phase 0: the key tiles from the first row's window start (first_pos -
+    window + 1) up past the last row's (kv_end - window), masked. Returns the softmax state
+    and [full_start, full_end): the tiles after them that every row sees in full."""
+    kv_start = tl.maximum(first_pos - window + 1, 0)
+    edge = tl.maximum(kv_end - window - kv_start, 0)
+    full_start = tl.minimum(kv_start + tl.cdiv(edge, BLOCK_N) * BLOCK_N, kv_end)
+    acc, m_i, l_i = _masked_tiles(
+        q, q_pos, table, k_head, v_head, kv_start, full_start, window, acc, m_i, l_i,
+        stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, d_mask,
+        BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, PRECISION, UPCAST, SPLIT_P, True,
+    )  # fmt: skip
+    full_end = full_start + tl.maximum(first_pos + 1 - full_start, 0) // BLOCK_N * BLOCK_N
+    return acc, m_i, l_i, full_start, full_end
+
+
 # One compiled kernel for every batch: the batch size and the block-table width (the longest
 # sequence's block count) change from step to step, and Triton would otherwise compile a new
 # specialization whenever one of them is 1 or a multiple of 16 (a stall of a second or two).
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
-    scale_log2, num_seqs,
+    scale_log2, num_seqs, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_P: tl.constexpr, FIX_BF16: tl.constexpr, HEADS: tl.constexpr,
+    SPLIT_P: tl.constexpr, FIX_BF16: tl.constexpr, HEADS: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     # HEADS query heads share each row tile (1, or all GROUP of a KV head): row r holds token
     # r // HEADS of the tile, query head program_id(1) * HEADS + r % HEADS.
@@ -148,8 +206,16 @@ def _prefill_kernel(
         k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
         v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
 
+        full_start = 0  # keys from here to full_end are seen by every row
+        if WINDOWED:  # phase 0: the tiles across the windows' lower edge
+            acc, m_i, l_i, full_start, full_end = _window_edge_tiles(
+                q, q_pos, table, k_head, v_head, first_pos, kv_end, window, acc, m_i, l_i,
+                stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, d_mask,
+                BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, PRECISION, UPCAST, SPLIT_P,
+            )  # fmt: skip
+
         # Phase 1: key tiles below the diagonal, no mask.
-        for n0 in range(0, full_end, BLOCK_N):
+        for n0 in range(full_start, full_end, BLOCK_N):
             tok = n0 + offs_n
             block = tl.load(table + tok // PAGE).to(tl.int64)
             slot = tok % PAGE
@@ -161,23 +227,15 @@ def _prefill_kernel(
                           offs_n, d_mask, False, D_MASK)  # fmt: skip
             acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
 
-        # Phase 2: key tiles across the diagonal, causal mask. No row's running max stays -inf:
-        # it is finite after phase 1, or phase 2 starts at key 0, which every row sees.
-        for n0 in range(full_end, kv_end, BLOCK_N):
-            tok = n0 + offs_n
-            t_mask = tok < kv_end
-            block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-            slot = tok % PAGE
-            k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                          t_mask, d_mask, True, D_MASK)  # fmt: skip
-            qk = mma(q, tl.trans(k), PRECISION, UPCAST)
-            visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
-            qk = tl.where(visible, qk, float("-inf"))
-            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-            v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                          t_mask, d_mask, True, D_MASK)  # fmt: skip
-            acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
+        # Phase 2: key tiles across the diagonal, causal mask. Without a window no row's max
+        # stays -inf: it is finite after phase 1, or phase 2 starts at key 0, which all rows see.
+        acc, m_i, l_i = _masked_tiles(
+            q, q_pos, table, k_head, v_head, full_end, kv_end, window, acc, m_i, l_i,
+            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, d_mask,
+            BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, PRECISION, UPCAST, SPLIT_P, WINDOWED,
+        )  # fmt: skip
 
+        l_i = tl.where(l_i > 0.0, l_i, 1.0) if WINDOWED else l_i  # rows past q_len may have no key
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_offs[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
@@ -195,6 +253,7 @@ def prefill_with_config(
     config: PrefillConfig | None = None,
     out: torch.Tensor | None = None,  # (Nq, Hq, D), contiguous; allocated when None
     max_query_len: int = 0,  # the most new tokens of one sequence, if known: picks the default tiles
+    window: int = 0,  # sliding window (0: full attention)
 ) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
     """paged_prefill_attention with an explicit tile config and output buffer (for tests,
     benchmarks and the piecewise prefill graphs); None picks the defaults."""
@@ -215,7 +274,7 @@ def prefill_with_config(
     num_tiles = num_tokens // (config.block_m // heads) + num_seqs
     _prefill_kernel[(num_tiles, num_q_heads // heads)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * LOG2E, num_seqs,
+        scale * LOG2E, num_seqs, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -223,7 +282,7 @@ def prefill_with_config(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE=page,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), SPLIT_P=config.split_p and split_p(q.dtype),
-        FIX_BF16=fix_bf16_rounding(q.dtype), HEADS=heads,
+        FIX_BF16=fix_bf16_rounding(q.dtype), HEADS=heads, WINDOWED=window > 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
@@ -238,8 +297,9 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # (B,) int32, context length incl. the new tokens
     scale: float,
     max_query_len: int = 0,  # the most new tokens of one sequence if known (0: not): picks the tiles
+    window: int = 0,  # sliding window (0: full attention)
 ) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
     """Triton version of kernels.reference.paged_prefill_attention_ref."""
     return prefill_with_config(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len=max_query_len
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len=max_query_len, window=window
     )

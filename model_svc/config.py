@@ -4,6 +4,13 @@ Hugging Face directory (config.json, generation_config.json).
 Works with the config objects of transformers 4.5x and 5.x (rope_theta/rope_scaling vs
 rope_parameters) and with a plain config.json dict. Family quirks are settled here, so the
 model code only reads flags (attention_bias, qk_norm, ...).
+
+Sliding-window attention is decided per layer the way transformers 5 decides it: Mistral
+slides every layer when `sliding_window` is set (it ignores `layer_types`); Qwen2/Qwen3 have a
+window only with `use_sliding_window`, and a layer slides when `layer_types[i]` is
+"sliding_attention" (absent, it is derived: layers i >= `max_window_layers` slide); Llama
+never slides. A query at position p of a sliding layer sees the keys at positions
+p - window < k <= p.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: torch.dtype = torch.float32  # dtype the checkpoint was saved in
+    # Per layer: its sliding window (0: full attention); () when no layer slides.
+    layer_windows: tuple[int, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -62,6 +71,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of one layer; 0: full attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -98,7 +111,8 @@ class ModelConfig:
         family = _check_family(get("model_type"))
         hidden, num_heads = int(get("hidden_size")), int(get("num_attention_heads"))
         max_pos = int(get("max_position_embeddings", 2048))
-        _check_sliding_window(family, get, max_pos)
+        num_layers = int(get("num_hidden_layers"))
+        layer_windows = _parse_layer_windows(family, get, num_layers)
         if get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {get('hidden_act')!r} for {family}; expected 'silu'")
         rope_theta, rope_scaling = _parse_rope(get, max_pos)
@@ -116,7 +130,7 @@ class ModelConfig:
             vocab_size=int(get("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(get("intermediate_size")),
-            num_hidden_layers=int(get("num_hidden_layers")),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(get("num_key_value_heads", num_heads)),
             head_dim=int(get("head_dim", hidden // num_heads)),
@@ -132,6 +146,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos_ids),
             bos_token_id=_as_int_list(get("bos_token_id"))[0] if get("bos_token_id") is not None else None,
             torch_dtype=_parse_dtype(get("dtype") or _legacy_dtype(hf_config)),
+            layer_windows=layer_windows,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -173,10 +188,17 @@ class ModelConfig:
             out["attention_bias"] = self.o_proj_bias
         if self.family == "llama":
             out["mlp_bias"] = self.mlp_bias
+        window = max(self.layer_windows, default=0)
         if self.family in ("qwen2", "qwen3"):
-            out["use_sliding_window"] = False
+            out["use_sliding_window"] = window > 0
+            out["sliding_window"] = window or None
+            if window:
+                out["layer_types"] = [
+                    "sliding_attention" if self.layer_window(i) else "full_attention"
+                    for i in range(self.num_hidden_layers)
+                ]
         if self.family == "mistral":
-            out["sliding_window"] = None
+            out["sliding_window"] = window or None
         return out
 
 
@@ -194,17 +216,37 @@ def _check_family(model_type: Any) -> str:
     return str(model_type)
 
 
-def _check_sliding_window(family: str, get: Any, max_pos: int) -> None:
+def _parse_layer_windows(family: str, get: Any, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full), () when none slides; see the module docstring."""
+    if family == "llama":
+        return ()
     window = get("sliding_window")
-    if family in ("qwen2", "qwen3"):
-        layer_types = get("layer_types") or []
-        if not get("use_sliding_window", False) and "sliding_attention" not in layer_types:
-            return
-    if family != "llama" and window is not None and int(window) < max_pos:
-        raise NotImplementedError(
-            f"{family}: sliding-window attention (sliding_window={window} < "
-            f"max_position_embeddings={max_pos}) is not implemented"
+    if family == "mistral":
+        return (_check_window(window),) * num_layers if window is not None else ()
+    if not get("use_sliding_window", False):
+        window = None  # what Qwen2Config / Qwen3Config do with the flag off
+    max_window_layers = int(get("max_window_layers", 28))
+    layer_types = list(get("layer_types") or []) or [
+        "sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
+        for i in range(num_layers)
+    ]
+    if len(layer_types) != num_layers or set(layer_types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"layer_types must name 'full_attention' or 'sliding_attention' for each of the "
+            f"{num_layers} layers, got {layer_types!r}"
         )
+    if "sliding_attention" not in layer_types:
+        return ()
+    if window is None:
+        raise ValueError(f"{family}: layer_types has sliding layers but use_sliding_window/sliding_window is not set")
+    size = _check_window(window)
+    return tuple(size if t == "sliding_attention" else 0 for t in layer_types)
+
+
+def _check_window(window: Any) -> int:
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {window!r}")
+    return int(window)
 
 
 def _parse_rope(get: Any, max_pos: int) -> tuple[float, RopeScaling]:

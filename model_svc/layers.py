@@ -198,15 +198,19 @@ class Attention(nn.Module):
     With an empty cache (the profiling forward before the pools exist) the store is skipped
     and each sequence attends causally to its own new tokens only. With stored=True the caller
     has already written this step's K/V into the cache (the fused q/k norm + rotary kernel of
-    kernels.triton_fused does), so only the attention runs.
+    kernels.triton_fused does), so only the attention runs. window > 0: sliding-window
+    attention (kernels.reference), which never takes the cascade path.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops: KernelOps) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops: KernelOps, window: int = 0
+    ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, f"{num_heads} q heads not a multiple of {num_kv_heads} kv heads"
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.ops = ops
+        self.window = window
 
     @staticmethod
     def has_cache(kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> TypeGuard[tuple[torch.Tensor, torch.Tensor]]:
@@ -229,7 +233,7 @@ class Attention(nn.Module):
         if not stored:
             self.ops.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
         if attn.is_decode:
-            if attn.prefix_blocks is not None:
+            if attn.prefix_blocks is not None and not self.window:
                 return self.ops.cascade_decode_attention(
                     q,
                     k_cache,
@@ -240,9 +244,19 @@ class Attention(nn.Module):
                     attn.prefix_blocks,
                     attn.max_prefix_blocks,
                 )
-            return self.ops.paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
+            return self.ops.paged_decode_attention(
+                q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale, self.window
+            )
         return self.ops.paged_prefill_attention(
-            q, k_cache, v_cache, attn.block_tables, attn.cu_seqlens_q, attn.seq_lens, self.scale, attn.max_query_len
+            q,
+            k_cache,
+            v_cache,
+            attn.block_tables,
+            attn.cu_seqlens_q,
+            attn.seq_lens,
+            self.scale,
+            attn.max_query_len,
+            self.window,
         )
 
     def _causal_no_cache(

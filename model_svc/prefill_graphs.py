@@ -103,6 +103,7 @@ class PrefillGraphs:
             attn.scale,
             out=self.attn_out[:n],
             max_query_len=meta.max_query_len,
+            window=attn.window,
         )
 
     @torch.inference_mode()

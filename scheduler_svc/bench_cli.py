@@ -17,7 +17,7 @@ from scheduler_svc.cli_args import UsageError, add_log_flags
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "bench"
-EXPERIMENTS = ("memory", "heatmap", "load", "steps")
+EXPERIMENTS = ("memory", "heatmap", "memory_hybrid", "load", "steps")
 
 
 def add_experiment_arguments(ap: argparse.ArgumentParser) -> None:
@@ -30,7 +30,8 @@ def add_experiment_arguments(ap: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="load/steps: the bundled model (default), 'qwen3-0.6b' or 'tiny' (random weights) "
-        "or a local model directory; memory/heatmap always use the bundled model on the CPU",
+        "or a local model directory; memory/heatmap always use the bundled model on the CPU, "
+        "memory_hybrid a random hybrid sliding-window model on the CPU",
     )
     ap.add_argument("--device", default="cpu", help="load/steps device: cpu (default) or cuda")
     ap.add_argument("--seed", type=int, default=0, help="seed of the workloads (default: 0)")

@@ -48,6 +48,10 @@ def run(args: argparse.Namespace) -> dict:
             from bench.experiments import heatmap
 
             results[name] = heatmap.run(out, seed=args.seed, env=env, trace=trace)
+        elif name == "memory_hybrid":
+            from bench.experiments import memory_hybrid
+
+            results[name] = memory_hybrid.run(out, seed=args.seed, env=env)
         elif name == "load":
             from bench.experiments import load
 

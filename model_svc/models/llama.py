@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
     Attention stores K/V.
     """
 
-    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup | None = None, window: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -63,13 +63,15 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops, window)
         fused = fused_kernels(ops)
         self.fused_qk_norm_rope = fused.qk_norm_rope if fused is not None else None
         self.fused_qk_norm_rope_store = fused.qk_norm_rope_store if fused is not None else None
         # Cascade decode (a shared prefix) with the norm + rotary + K/V store in its prefix launch.
         cascade = triton_module(ops, "triton_cascade")
-        self.cascade = cascade if cascade is not None and cascade.fuses_store(self.head_dim) else None
+        # A sliding layer's window starts past a long shared prefix: it never takes the cascade.
+        fuses = cascade is not None and cascade.fuses_store(self.head_dim) and window == 0
+        self.cascade = cascade if fuses else None
 
     def forward(
         self,
@@ -204,9 +206,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, layer: int = 0, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, ops, tp)
+        self.self_attn = LlamaAttention(config, ops, tp, config.layer_window(layer))
         self.mlp = LlamaMLP(config, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -299,7 +301,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.tp = tp
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.fused = fused_kernels(ops) is not None
         self.gemv_ops = gemv_kernels(ops)

@@ -105,15 +105,42 @@ def test_unsupported_rope_type():
         ModelConfig.from_hf_config(raw)
 
 
-def test_sliding_window_not_implemented():
-    with pytest.raises(NotImplementedError, match="sliding"):
-        ModelConfig.from_hf_config(tiny_hf_config("mistral", sliding_window=256))
-    with pytest.raises(NotImplementedError, match="sliding"):
-        qwen2 = tiny_hf_config("qwen2", use_sliding_window=True, sliding_window=256, max_window_layers=0)
-        ModelConfig.from_hf_config(qwen2)
-    # A window no shorter than the context is no window at all; Qwen's flag off means off.
-    ModelConfig.from_hf_config(tiny_hf_config("mistral", sliding_window=1024))
-    ModelConfig.from_hf_config(tiny_hf_config("qwen2", use_sliding_window=False, sliding_window=256))
+def test_sliding_windows_as_transformers_decides_them():
+    """Mistral slides every layer; Qwen2/Qwen3 only with use_sliding_window, the layers from
+    max_window_layers on or those layer_types names; Llama never. Round trips keep them."""
+    cases = [
+        (tiny_hf_config("mistral", sliding_window=256), (256, 256)),
+        (tiny_hf_config("mistral", sliding_window=None), ()),
+        (tiny_hf_config("qwen2", use_sliding_window=True, sliding_window=256, max_window_layers=0), (256, 256)),
+        (tiny_hf_config("qwen3", use_sliding_window=True, sliding_window=64, max_window_layers=1), (0, 64)),
+        (tiny_hf_config("qwen3", use_sliding_window=True, sliding_window=64, max_window_layers=2), ()),
+        (tiny_hf_config("qwen2", use_sliding_window=False, sliding_window=256, max_window_layers=0), ()),
+        (
+            tiny_hf_config(
+                "qwen3", use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
+            ),
+            (8, 0),
+        ),
+    ]
+    for hf_config, windows in cases:
+        for source in (hf_config, hf_config.to_dict()):  # the transformers object and a plain dict
+            config = ModelConfig.from_hf_config(source)
+            assert config.layer_windows == windows, (hf_config.model_type, source)
+            assert [config.layer_window(i) for i in range(2)] == list(windows or (0, 0))
+            assert ModelConfig.from_hf_config(config.to_hf_dict()) == config
+            assert ModelConfig.from_hf_config(type(hf_config)(**config.to_hf_dict())) == config
+
+
+def test_bad_sliding_settings():
+    raw = tiny_hf_config("qwen3").to_dict()
+    raw.update(layer_types=["sliding_attention", "full_attention"], use_sliding_window=False)
+    with pytest.raises(ValueError, match="no sliding window|use_sliding_window"):
+        ModelConfig.from_hf_config(raw)
+    raw.update(layer_types=["sliding_attention"], use_sliding_window=True, sliding_window=8)
+    with pytest.raises(ValueError, match="each of the 2 layers"):
+        ModelConfig.from_hf_config(raw)
+    with pytest.raises(ValueError, match="at least 1"):
+        ModelConfig.from_hf_config({**tiny_hf_config("mistral").to_dict(), "sliding_window": 0})
 
 
 def test_missing_directory_and_files(tmp_path):

@@ -1,7 +1,9 @@
 """Greedy output of the whole engine equals Hugging Face transformers token for token (fp32,
-CPU): the bundled stories260k and random tiny Qwen3 / Qwen2 / Llama models, in one batch,
-with prefix caching on and off, and under preemption by swap and by recompute. Every run
-ends with the KV-cache invariant holding and every block free or cached."""
+CPU): the bundled stories260k and random tiny Qwen3 / Qwen2 / Llama models, and two
+sliding-window ones (tests.scheduler.test_engine_sliding: Mistral-style all-sliding, a Qwen3
+hybrid, the window under most prompts), in one batch, with prefix caching on and off, and
+under preemption by swap and by recompute. Every run ends with the KV-cache invariant holding
+and every block free or cached."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tests.model.tiny_models import make_tiny_hf_model
 
 MAX_NEW = 24
 NEAR_TIE = 1e-4
+SLIDING_WINDOW = 20  # under most prompts, and under prompt + generation of all but the shortest
 
 
 def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[torch.Tensor]]]:
@@ -109,9 +112,20 @@ def test_bundled_model_matches_reference_outputs():
 
 
 # ------------------------------------------------------------------ random tiny models
-@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
+# name -> (family, config overrides)
+TINY_MODELS: dict[str, tuple[str, dict]] = {
+    "qwen3": ("qwen3", {}),
+    "qwen2": ("qwen2", {}),
+    "llama": ("llama", {}),
+    "mistral-all-sliding": ("mistral", dict(sliding_window=SLIDING_WINDOW)),
+    "qwen3-hybrid": ("qwen3", dict(use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1)),
+}
+
+
+@pytest.fixture(scope="module", params=list(TINY_MODELS))
 def tiny(request, tmp_path_factory):
-    path = make_tiny_hf_model(str(tmp_path_factory.mktemp(request.param)), request.param)
+    family, overrides = TINY_MODELS[request.param]
+    path = make_tiny_hf_model(str(tmp_path_factory.mktemp(request.param)), family, **overrides)
     prompts = _mixed_prompts(vocab=512, block_size=16, seed=hash(request.param) % 1000)
     return path, prompts, _hf_greedy(path, prompts, MAX_NEW)
 
