@@ -95,10 +95,12 @@ async def serve(
     config: ServiceConfig,
     credentials: Credentials | None = None,
     sock: socket.socket | None = None,
-    announce_ready: bool = True,
+    first: bool = True,
 ) -> None:
     """Run until SIGTERM/SIGINT. sock: a listening socket to serve on (a worker's, shared;
-    http_svc.workers), else this binds its own; announce_ready: print the readiness line."""
+    http_svc.workers), else this binds its own. first: answer 503 while starting and print the
+    readiness line; a later worker instead takes no connection before it is ready, so that
+    the workers already up answer them."""
     h = config.http
     creds = credentials or Credentials()
     if h.chat_template is not None:  # unreadable: one line now, not a failure later
@@ -122,13 +124,17 @@ async def serve(
     )
     await backend.start()
     stop = stop_event()
-    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     ready = asyncio.ensure_future(backend.wait_ready())
     stopping = asyncio.ensure_future(_exit_on(stop, server))
     try:
+        if not first:
+            await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if stopping.done():
+                return
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         await asyncio.wait({serving, ready}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and ready.exception() is None:
-            if announce_ready:
+            if first:
                 announce(f"http gateway ready: {url(h.host, port)} (OpenAI-compatible API, model {backend.model_name})")
         elif ready.done():  # the tokenizer did not load: nothing to serve
             server.should_exit = True

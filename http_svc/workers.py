@@ -46,8 +46,8 @@ def run(config: Any, creds: Any) -> int:
             asyncio.run(serve(config, creds, sock))
             return 0
         pids = []
-        for i in range(workers):  # only the first says it is ready
-            pids.append(_fork(lambda first=i == 0: asyncio.run(serve(config, creds, sock, announce_ready=first))))
+        for i in range(workers):  # the first answers 503 while starting; the others wait until ready
+            pids.append(_fork(lambda first=i == 0: asyncio.run(serve(config, creds, sock, first=first))))
         return _supervise(pids)
     finally:
         if metrics_dir is not None:
