@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import add_tokenizer  # noqa: E402
 from bench.serve_clients import Job, run_clients, summarize  # noqa: E402
 from bench.serve_embedded import run_embedded  # noqa: E402
+from bench.serve_probe import server_cpu, start_py_spy, stop_py_spy  # noqa: E402
 
 
 def free_port() -> int:
@@ -205,94 +206,6 @@ def stop_server(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def start_py_spy(procs: list[subprocess.Popen], out_dir: str) -> list[subprocess.Popen]:
-    """py-spy on every Python process of the server (raw collapsed stacks, one file each)."""
-    if shutil.which("py-spy") is None:
-        print("py-spy is not installed: no profile", file=sys.stderr)
-        return []
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    found = []
-    for proc in procs:
-        found += subprocess.run(
-            ["ps", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True
-        ).stdout.splitlines()
-    spies = []
-    for line in found:
-        pid, _, cmd = line.strip().partition(" ")
-        if "python" not in cmd or " all " in f"{cmd} ":
-            continue
-        kind = (
-            cmd.split("serve", 1)[1].split()[0]
-            if " serve " in cmd
-            else cmd.split()[2]
-            if len(cmd.split()) > 2
-            else "python"
-        )
-        out = Path(out_dir, f"{kind.rsplit('.', 1)[-1]}-{pid}.txt")
-        spies.append(
-            subprocess.Popen(
-                [
-                    "py-spy",
-                    "record",
-                    "-p",
-                    pid,
-                    "-r",
-                    "200",
-                    "-f",
-                    "raw",
-                    "-o",
-                    str(out),
-                    "--nonblocking",
-                    "--gil",
-                    "--threads",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-    return spies
-
-
-def server_cpu(procs: list[subprocess.Popen]) -> dict[str, float]:
-    """CPU seconds (user + system) so far of every process of the server, by kind (the
-    scheduler's engine process is "engine"); Linux only, else empty."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    found: dict[str, float] = {}
-    for proc in procs:
-        lines = subprocess.run(
-            ["ps", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True
-        ).stdout.splitlines()
-        for line in lines:
-            pid, _, cmd = line.strip().partition(" ")
-            if "python" not in cmd or " all " in f"{cmd} ":
-                continue
-            kind = (
-                "engine"
-                if "engine_core" in cmd
-                else "null model"
-                if "null_model" in cmd
-                else cmd.split(" serve ", 1)[1].split()[0]
-                if " serve " in cmd
-                else "other"
-            )
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            found[kind] = found.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return found
-
-
-def stop_py_spy(spies: list[subprocess.Popen]) -> None:
-    for spy in spies:
-        spy.send_signal(signal.SIGINT)
-    for spy in spies:
-        try:
-            spy.wait(60)
-        except subprocess.TimeoutExpired:
-            spy.kill()
 
 
 def run_service(
