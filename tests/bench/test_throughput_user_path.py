@@ -17,7 +17,8 @@ if str(ROOT) not in sys.path:
 
 @pytest.mark.timeout(600)
 def test_user_path_generates_the_workload_through_llm_defaults():
-    from bench.throughput import make_workload, user_path_row, user_path_run
+    from bench.throughput import make_workload
+    from bench.throughput_user_path import user_path_row, user_path_run
 
     seconds, num_out, steps, preemptions = user_path_run("tiny", 3, 120)
     _, params = make_workload(3, 120, 120)
