@@ -63,6 +63,7 @@ class NullRunner:
             block_size,
             device,
         )
+        self.kv_group_windows = (0,)  # one full-attention KV group
         self._free_at = 0.0  # when the emulated device is done with what is queued
         self._lock = threading.Lock()
         self._banned = set(self.config.eos_token_ids)

@@ -104,7 +104,7 @@ def _tables(prompts: list[list[int]], max_tokens: int, block_size: int) -> list[
 
 def _greedy_batched(runner, prompts, max_tokens, params, gaps_hook) -> list[tuple[list[int], list[Top2]]]:
     from contracts.step import SeqStep, StepInput
-    from model_svc.runner import _longest_first
+    from model_svc.step_batch import longest_first
 
     tables = _tables(prompts, max_tokens, runner.block_size)
     steps = [SeqStep(f"p{i}", list(p), 0, True, 0, tables[i], params, list(p)) for i, p in enumerate(prompts)]
@@ -113,7 +113,7 @@ def _greedy_batched(runner, prompts, max_tokens, params, gaps_hook) -> list[tupl
     for _ in range(max_tokens):
         out = runner.step(StepInput(seqs=steps))
         by_seq = {s.seq_id: s.token_id for s in out.sampled}
-        rows = {s.seq_id: r for r, s in enumerate(_longest_first(steps))}  # the runner's row order
+        rows = {s.seq_id: r for r, s in enumerate(longest_first(steps))}  # the runner's row order
         for i, step in enumerate(steps):
             gaps[i].append(gaps_hook["gap"][rows[step.seq_id]])
             tokens[i].append(by_seq[step.seq_id])

@@ -32,6 +32,7 @@ class ModelInfo:
     device: str
     dtype: str
     config: ModelFacts
+    kv_group_windows: tuple[int, ...] = (0,)  # per KV-cache group: its window (contracts.kv_groups)
 
 
 def info_to_pb(info: ModelInfo) -> pb.GetInfoResponse:
@@ -49,6 +50,7 @@ def info_to_pb(info: ModelInfo) -> pb.GetInfoResponse:
         num_host_blocks=info.num_host_blocks,
         device=info.device,
         dtype=info.dtype,
+        kv_group_windows=info.kv_group_windows,
     )
 
 
@@ -60,4 +62,7 @@ def info_from_pb(m: pb.GetInfoResponse) -> ModelInfo:
         tuple(m.eos_token_ids),
         m.bos_token_id if m.HasField("bos_token_id") else None,
     )
-    return ModelInfo(m.epoch, m.model, m.block_size, m.num_device_blocks, m.num_host_blocks, m.device, m.dtype, config)
+    windows = tuple(m.kv_group_windows) or (0,)
+    return ModelInfo(
+        m.epoch, m.model, m.block_size, m.num_device_blocks, m.num_host_blocks, m.device, m.dtype, config, windows
+    )

@@ -45,11 +45,13 @@ def config_to_pb(c: PoolConfig) -> pb.PoolConfig:
         block_size=c.block_size,
         enable_prefix_caching=c.enable_prefix_caching,
         epoch=c.epoch,
+        group_windows=c.group_windows,
     )
 
 
 def config_from_pb(m: pb.PoolConfig) -> PoolConfig:
-    return PoolConfig(m.num_device_blocks, m.num_host_blocks, m.block_size, m.enable_prefix_caching, m.epoch)
+    windows = tuple(m.group_windows) or (0,)
+    return PoolConfig(m.num_device_blocks, m.num_host_blocks, m.block_size, m.enable_prefix_caching, m.epoch, windows)
 
 
 # ----------------------------------------------------------------- ops

@@ -10,12 +10,13 @@ BlockOpError, also under `python -O`, and changes nothing either.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from contracts import block_hash as hashing
+from contracts.kv_groups import NO_BLOCK
 from kvcache_svc.block_pool import BlockOpError, BlockPool, Tier
+from kvcache_svc.prefix import PrefixHit, PrefixMatcher, first_in_window, group_key
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,16 +29,10 @@ class NoFreeBlocks:
 
 
 @dataclass(slots=True)
-class PrefixHit:
-    num_tokens: int  # always a multiple of block_size
-    block_ids: list[int]
-
-
-@dataclass(slots=True)
 class Allocated:
     num_cached_tokens: int  # prompt tokens served from the prefix cache (not to be computed)
     num_new_tokens: int  # tokens to compute this step (clamped to what the prompt has left)
-    block_ids: list[int]  # the whole table
+    block_ids: list[int]  # the whole table (group-minor)
 
 
 @dataclass(slots=True)
@@ -50,7 +45,7 @@ class Appended:
 @dataclass(slots=True)
 class SeqBlocks:
     tier: Tier
-    block_ids: list[int]
+    block_ids: list[int]  # group-minor (contracts.kv_groups); NO_BLOCK: out of a window
     extra_key: str | None = None
     num_hashed_blocks: int = 0  # leading full blocks whose chain hash is known
     last_hash: int | None = None  # chain hash of block num_hashed_blocks - 1
@@ -63,10 +58,16 @@ class KVCacheManager:
         num_host_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
+        group_windows: tuple[int, ...] = (0,),
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not group_windows or any(w < 0 for w in group_windows):
+            raise ValueError(f"group_windows must be one window >= 0 per KV group, got {group_windows}")
         self.block_size = block_size
+        self.windows = tuple(group_windows)  # per KV group: its sliding window (0: full)
+        self.num_groups = len(self.windows)
+        self.matcher = PrefixMatcher(block_size, self.windows)
         self.enable_prefix_caching = enable_prefix_caching
         self.pools = {
             Tier.DEVICE: BlockPool(num_device_blocks, Tier.DEVICE),
@@ -75,10 +76,6 @@ class KVCacheManager:
         self.seqs: dict[str, SeqBlocks] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up
         self.num_prefix_hits = 0  # of those, tokens served from the cache
-        # match_prefix's last prompt: (its hashed blocks as int64 bytes, their chain hashes, extra key)
-        self._recent: tuple[bytes, list[int], str | None] | None = None
-        self._recent_hits: list[tuple[int, tuple[int, ...]]] = []  # its hit blocks: (id, the token tuple verified)
-        self._recent_epoch = -1  # the device pool's hash_epoch when those were last known to hold
 
     # ----------------------------------------------------------------- queries
     @property
@@ -112,66 +109,47 @@ class KVCacheManager:
             raise BlockOpError(f"sequence {seq_id!r} already has blocks")
 
     def num_blocks_for(self, num_tokens: int) -> int:
+        """Logical blocks (table entries per group) that hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
+
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """Device blocks a sequence of `num_tokens` tokens holds to compute its last one: every
+        block for a full group, those of the window for a sliding group."""
+        bs, last = self.block_size, num_tokens - 1
+        return sum(last // bs + 1 - first_in_window(last, w, bs) for w in self.windows)
+
+    def num_live_blocks(self, seq_id: str) -> int:
+        """Blocks a sequence's tables hold (what a swap moves)."""
+        block_ids = self._seq(seq_id).block_ids
+        return len(block_ids) - block_ids.count(NO_BLOCK)
+
+    def blocks_to_resume(self, seq_id: str, num_tokens: int) -> int:
+        """Device blocks a swapped-out sequence takes to come back and grow to `num_tokens`."""
+        grow = max(0, self.num_blocks_for(num_tokens) - len(self._seq(seq_id).block_ids) // self.num_groups)
+        return self.num_live_blocks(seq_id) + grow * self.num_groups
+
+    def max_tokens(self, limit: int) -> int:
+        """The longest sequence (at most `limit` tokens) whose blocks fit in the device pool."""
+        lo, hi = 0, limit  # blocks_to_hold grows with the length: the last length that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.blocks_to_hold(mid) <= self.device.num_blocks else (lo, mid - 1)
+        return lo
 
     def match_prefix(
         self, token_ids: list[int], extra_key: str | None = None, token_bytes: bytes | None = None
     ) -> PrefixHit:
-        """Longest run of full cached device blocks that starts the prompt. At least the last
-        prompt token is always left to compute (its logits are needed). token_bytes: the same
-        tokens as int64 bytes when the caller has them (the engine's check of a prompt makes
-        them), so that they are not converted again."""
-        if not self.enable_prefix_caching:
-            return PrefixHit(0, [])
-        bs, pool = self.block_size, self.device
-        num_blocks = (len(token_ids) - 1) // bs
-        if token_bytes is None:
-            data = array("q", token_ids[: num_blocks * bs]).tobytes()
-        else:
-            data = token_bytes[: num_blocks * bs * 8]
-        hashes = self._recent_hashes(data, extra_key)
-        known, width = len(hashes), 8 * bs
-        rest = hashing.chain_bytes(data[known * width :], width, hashes[-1] if hashes else None, extra_key)
-        # The last prompt's hits, for the blocks this one shares with it: a block that still
-        # holds the very token tuple it was verified against needs no new tuple and compare.
-        hits = self._recent_hits[
-            : pool.num_still_held(hashes, self._recent_hits[: min(known, num_blocks)], self._recent_epoch)
-        ]
-        block_ids = [block_id for block_id, _ in hits]
-        for i in range(len(hits), num_blocks):
-            if i >= known:  # hashed on demand: a miss early in the prompt hashes no further
-                hashes.append(next(rest))
-            block_id = pool.lookup(hashes[i], tuple(token_ids[i * bs : (i + 1) * bs]))
-            if block_id is None:
-                break
-            block_ids.append(block_id)
-            held = pool.blocks[block_id].token_ids
-            assert held is not None, "a hit was compared with the block's tokens"
-            hits.append((block_id, held))
-        self._recent = (data[: len(hashes) * width], hashes, extra_key)
-        self._recent_hits, self._recent_epoch = hits, pool.hash_epoch
-        return PrefixHit(len(block_ids) * bs, block_ids)
+        """Longest cached prefix of the prompt that every group can serve (kvcache_svc.prefix).
+        token_bytes: the same tokens as int64 bytes when the caller has them (the engine's
+        check of a prompt makes them), so that they are not converted again."""
+        return self._match(token_ids, extra_key, token_bytes)[0]
 
-    def _recent_hashes(self, data: bytes, extra_key: str | None) -> list[int]:
-        """The chain hashes of the leading blocks this prompt (as int64 bytes) shares with the
-        last prompt looked up: requests that arrive together with one system prompt hash it
-        once, not once each (two memcmp-speed comparisons per halving instead of a blake2b
-        call per block)."""
-        if self._recent is None or self._recent[2] != extra_key:
-            return []
-        prev, hashes, _ = self._recent
-        width = 8 * self.block_size
-        hi = min(len(data), len(prev)) // width
-        if data[: hi * width] == prev[: hi * width]:
-            return hashes[:hi]
-        lo = 0  # the first lo blocks are equal, the first hi are not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if data[: mid * width] == prev[: mid * width]:
-                lo = mid
-            else:
-                hi = mid
-        return hashes[:lo]
+    def _match(
+        self, token_ids: list[int], extra_key: str | None, token_bytes: bytes | None
+    ) -> tuple[PrefixHit, int | None]:
+        if not self.enable_prefix_caching:
+            return PrefixHit(0, []), None
+        return self.matcher.match(self.device, token_ids, extra_key, token_bytes)
 
     # ----------------------------------------------------------------- operations
     def allocate(
@@ -183,79 +161,103 @@ class KVCacheManager:
         token_bytes: bytes | None = None,
     ) -> Allocated | NoFreeBlocks:
         """New sequence: take its longest cached prefix, then blocks for `num_new_tokens`
-        more tokens (clamped to the rest of the prompt). token_bytes: see match_prefix."""
+        more tokens (clamped to the rest of the prompt) in every group. token_bytes: see
+        match_prefix."""
         self._new_seq_id(seq_id)
-        hit = self.match_prefix(token_ids, extra_key, token_bytes)
+        hit, last_hash = self._match(token_ids, extra_key, token_bytes)
         num_new_tokens = max(1, min(num_new_tokens, len(token_ids) - hit.num_tokens))
-        num_needed = self.num_blocks_for(hit.num_tokens + num_new_tokens) - len(hit.block_ids)
+        num_hit_blocks = hit.num_tokens // self.block_size
+        num_needed = (self.num_blocks_for(hit.num_tokens + num_new_tokens) - num_hit_blocks) * self.num_groups
+        taken = hit.block_ids if self.num_groups == 1 and not self.windows[0] else [b for b in hit.block_ids if b >= 0]
         # Hit blocks that sit in the LRU stop being evictable once we take them.
         pool = self.device
-        if num_needed > pool.num_free_blocks - len(hit.block_ids):  # else enough even if every hit is evictable
-            available = pool.num_free_blocks - sum(pool.blocks[b].ref_count == 0 for b in hit.block_ids)
+        if num_needed > pool.num_free_blocks - len(taken):  # else enough even if every hit is evictable
+            available = pool.num_free_blocks - sum(pool.blocks[b].ref_count == 0 for b in taken)
             if num_needed > available:
                 return NoFreeBlocks(num_needed, available)
-        pool.acquire_all(hit.block_ids)
+        pool.acquire_all(taken)
         block_ids = hit.block_ids + pool.allocate(num_needed)
-        last_hash = (
-            pool.blocks[hit.block_ids[-1]].block_hash if hit.block_ids else None
-        )  # the chain continues from the hit
-        self.seqs[seq_id] = SeqBlocks(Tier.DEVICE, block_ids, extra_key, len(hit.block_ids), last_hash)
+        self.seqs[seq_id] = SeqBlocks(Tier.DEVICE, block_ids, extra_key, num_hit_blocks, last_hash)
         if self.enable_prefix_caching:
             self.num_prefix_queries += len(token_ids)
             self.num_prefix_hits += hit.num_tokens
         return Allocated(hit.num_tokens, num_new_tokens, list(block_ids))
 
     def append_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> Appended | NoFreeBlocks:
-        """Make room to write positions [num_computed, num_computed + num_new). A block that
-        will be written while shared (ref > 1, e.g. after a fork) is copied first."""
+        """Make room to write positions [num_computed, num_computed + num_new) in every group.
+        A block that will be written while shared (ref > 1, e.g. after a fork) is copied
+        first; a sliding group's blocks that no query of the step reads any more are released."""
         seq = self.seqs.get(seq_id)
         if seq is None or seq.tier != Tier.DEVICE:
             seq = self._seq(seq_id, Tier.DEVICE)  # raises why not
-        pool, bs = self.device, self.block_size
+        pool, bs, num_groups = self.device, self.block_size, self.num_groups
         first_written = num_computed_tokens // bs
         blocks = seq.block_ids
-        if (
-            first_written == len(blocks) - 1
-            and num_computed_tokens + num_new_tokens <= len(blocks) * bs
-            and pool.blocks[blocks[first_written]].ref_count == 1
-        ):
-            return Appended([])  # the common decode: room left in an unshared last block
-        if num_new_tokens < 0 or not 0 <= num_computed_tokens <= len(blocks) * bs:
+        num_logical = len(blocks) // num_groups
+        if num_groups == 1 and not self.windows[0]:
+            if (
+                first_written == num_logical - 1
+                and num_computed_tokens + num_new_tokens <= num_logical * bs
+                and pool.blocks[blocks[first_written]].ref_count == 1
+            ):
+                return Appended([])  # the common decode: room left in an unshared last block
+            releasable: list[int] = []
+        else:
+            releasable = self._out_of_window(blocks, num_computed_tokens)
+        if num_new_tokens < 0 or not 0 <= num_computed_tokens <= num_logical * bs:
             raise BlockOpError(
                 f"sequence {seq_id!r}: cannot write {num_new_tokens} tokens at {num_computed_tokens} "
-                f"({len(blocks)} blocks of {bs})"
+                f"({num_logical} blocks of {bs})"
             )
-        shared = [i for i in range(first_written, len(seq.block_ids)) if pool.blocks[seq.block_ids[i]].ref_count > 1]
-        num_grow = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - len(seq.block_ids))
+        shared = [i for i in range(first_written * num_groups, len(blocks)) if pool.blocks[blocks[i]].ref_count > 1]
+        num_grow = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - num_logical) * num_groups
         num_needed = num_grow + len(shared)
         if num_needed > pool.num_free_blocks:
-            return NoFreeBlocks(num_needed, pool.num_free_blocks)
+            available = pool.num_free_blocks + sum(pool.blocks[blocks[i]].ref_count == 1 for i in releasable)
+            if num_needed > available:
+                return NoFreeBlocks(num_needed, available)
         result = Appended([])
+        for index in releasable:
+            pool.release(blocks[index])
+            blocks[index] = NO_BLOCK
         for index in shared:
-            old = seq.block_ids[index]
+            old = blocks[index]
             (new,) = pool.allocate(1)
-            if index * bs < num_computed_tokens:  # holds computed tokens: copy them over
+            if index // num_groups * bs < num_computed_tokens:  # holds computed tokens: copy them over
                 result.copies.append((old, new))
             pool.release(old)
-            seq.block_ids[index] = new
+            blocks[index] = new
             result.replaced.append((index, new))
         result.new_block_ids = pool.allocate(num_grow)
-        seq.block_ids.extend(result.new_block_ids)
+        blocks.extend(result.new_block_ids)
         return result
+
+    def _out_of_window(self, blocks: list[int], position: int) -> list[int]:
+        """Table indexes of the sliding groups' live blocks wholly before the window of a
+        query at `position`. A group's live blocks are one run up to the table's end, so the
+        walk back from the window's edge stops at the first released entry."""
+        bs, num_groups, indexes = self.block_size, self.num_groups, []
+        for g, w in enumerate(self.windows):
+            i = first_in_window(position, w, bs) - 1
+            while w and i >= 0 and blocks[i * num_groups + g] != NO_BLOCK:
+                indexes.append(i * num_groups + g)
+                i -= 1
+        return indexes
 
     def cache_blocks(
         self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int, token_offset: int = 0
     ) -> None:
         """Register the chain hashes of blocks that are now full and computed, so later
         requests can hit them (also after this sequence frees them). token_ids may start at
-        position token_offset (a tail holding at least the blocks not hashed yet)."""
+        position token_offset (a tail holding at least the blocks not hashed yet). A sliding
+        group's block released before it was hashed stays unregistered."""
         if not self.enable_prefix_caching:
             return
         seq = self._seq(seq_id)
         if seq.tier != Tier.DEVICE:
             return
-        bs, first = self.block_size, seq.num_hashed_blocks
-        end = min(num_computed_tokens // bs, len(seq.block_ids))
+        bs, first, num_groups = self.block_size, seq.num_hashed_blocks, self.num_groups
+        end = min(num_computed_tokens // bs, len(seq.block_ids) // num_groups)
         if end <= first:
             return
         if not 0 <= token_offset <= first * bs or token_offset + len(token_ids) < end * bs:
@@ -267,7 +269,10 @@ class KVCacheManager:
         hashes = hashing.chain_hashes(tail, bs, 0, end - first, seq.last_hash, seq.extra_key)
         for i, h in enumerate(hashes, first):
             tokens = tuple(tail[(i - first) * bs : (i - first + 1) * bs])
-            self.device.set_hash(seq.block_ids[i], h, tokens)
+            for g in range(num_groups):
+                block_id = seq.block_ids[i * num_groups + g]
+                if block_id != NO_BLOCK:
+                    self.device.set_hash(block_id, group_key(h, g), tokens)
             seq.last_hash, seq.num_hashed_blocks = h, i + 1
 
     def free(self, seq_id: str) -> None:
@@ -276,7 +281,8 @@ class KVCacheManager:
         del self.seqs[seq_id]
         pool = self.pools[seq.tier]
         for block_id in reversed(seq.block_ids):
-            pool.release(block_id)
+            if block_id != NO_BLOCK:
+                pool.release(block_id)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent; writes into shared blocks copy first."""
@@ -284,7 +290,8 @@ class KVCacheManager:
         self._new_seq_id(child_id)
         pool = self.pools[parent.tier]
         for block_id in parent.block_ids:
-            pool.acquire(block_id)
+            if block_id != NO_BLOCK:
+                pool.acquire(block_id)
         self.seqs[child_id] = SeqBlocks(
             parent.tier, list(parent.block_ids), parent.extra_key, parent.num_hashed_blocks, parent.last_hash
         )
@@ -298,13 +305,16 @@ class KVCacheManager:
         return self._move(seq_id, Tier.HOST, Tier.DEVICE)
 
     def _move(self, seq_id: str, src_tier: Tier, dst_tier: Tier) -> list[tuple[int, int]] | NoFreeBlocks:
+        """Every live block of every group moves; released entries stay NO_BLOCK."""
         seq = self._seq(seq_id, src_tier)
         src, dst = self.pools[src_tier], self.pools[dst_tier]
-        if len(seq.block_ids) > dst.num_free_blocks:
-            return NoFreeBlocks(len(seq.block_ids), dst.num_free_blocks, dst_tier)
-        new_ids = dst.allocate(len(seq.block_ids))
-        copies = list(zip(seq.block_ids, new_ids))
-        for block_id in reversed(seq.block_ids):
+        live = [b for b in seq.block_ids if b != NO_BLOCK]
+        if len(live) > dst.num_free_blocks:
+            return NoFreeBlocks(len(live), dst.num_free_blocks, dst_tier)
+        moved = iter(dst.allocate(len(live)))
+        new_ids = [NO_BLOCK if b == NO_BLOCK else next(moved) for b in seq.block_ids]
+        copies = [(old, new) for old, new in zip(seq.block_ids, new_ids) if old != NO_BLOCK]
+        for block_id in reversed(live):
             src.release(block_id)
         seq.tier, seq.block_ids = dst_tier, new_ids
         # Host blocks are not in the prefix index; hashes are registered again once back.
@@ -313,15 +323,25 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- checks
     def check_invariants(self) -> None:
-        """Every block exactly one of free / used / cached, counts add up, and no table
-        points at a block that is not referenced. Raises AssertionError otherwise."""
+        """Every block exactly one of free / used / cached, counts add up, no table points at
+        a block that is not referenced, every table holds whole logical blocks and a sliding
+        group's live entries are one run to the table's end. AssertionError otherwise."""
         for tier, pool in self.pools.items():
             referenced: dict[int, int] = {}
             for seq in self.seqs.values():
                 if seq.tier == tier:
                     for block_id in seq.block_ids:
-                        referenced[block_id] = referenced.get(block_id, 0) + 1
+                        if block_id != NO_BLOCK:
+                            referenced[block_id] = referenced.get(block_id, 0) + 1
             pool.check(referenced)
+        for seq_id, seq in self.seqs.items():
+            if len(seq.block_ids) % self.num_groups:
+                raise AssertionError(f"{seq_id}: {len(seq.block_ids)} entries for {self.num_groups} groups")
+            for g, w in enumerate(self.windows):
+                column = seq.block_ids[g :: self.num_groups]
+                live = len(column) - column.count(NO_BLOCK)
+                if column[len(column) - live :].count(NO_BLOCK) or (not w and live != len(column)):
+                    raise AssertionError(f"{seq_id}: group {g}'s live blocks are not one run to the end: {column}")
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached (unreferenced) block of both pools from the prefix index, as

@@ -17,6 +17,7 @@ from kvcache_svc.manager import Allocated, Appended, KVCacheManager, NoFreeBlock
 # above what a device or host pool of today holds (a pool of 2^24 blocks is ~1.6 GiB here).
 MAX_POOL_BLOCKS = 1 << 24
 MAX_BLOCK_SIZE = 1 << 16
+MAX_GROUPS = 256  # KV-cache groups: at most one per layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,7 @@ class PoolConfig:
     block_size: int
     enable_prefix_caching: bool = True
     epoch: str = ""
+    group_windows: tuple[int, ...] = (0,)  # per KV-cache group: its sliding window (contracts.kv_groups)
 
     def __post_init__(self) -> None:
         for name in ("num_device_blocks", "num_host_blocks"):
@@ -37,9 +39,19 @@ class PoolConfig:
                 raise ValueError(f"{name} must be within 0..{MAX_POOL_BLOCKS}, got {n}")
         if not 0 < self.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be within 1..{MAX_BLOCK_SIZE}, got {self.block_size}")
+        windows = tuple(self.group_windows)
+        if not 0 < len(windows) <= MAX_GROUPS or any(w < 0 for w in windows):
+            raise ValueError(f"group_windows must be 1..{MAX_GROUPS} windows >= 0, got {windows[: MAX_GROUPS + 1]}")
+        object.__setattr__(self, "group_windows", windows)  # a tuple also when read back from JSON
 
     def new_manager(self) -> KVCacheManager:
-        return KVCacheManager(self.num_device_blocks, self.num_host_blocks, self.block_size, self.enable_prefix_caching)
+        return KVCacheManager(
+            self.num_device_blocks,
+            self.num_host_blocks,
+            self.block_size,
+            self.enable_prefix_caching,
+            self.group_windows,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -233,6 +233,7 @@ def _config_dict(c: PoolConfig) -> dict[str, Any]:
         "block_size": c.block_size,
         "enable_prefix_caching": c.enable_prefix_caching,
         "epoch": c.epoch,
+        "group_windows": list(c.group_windows),
     }
 
 

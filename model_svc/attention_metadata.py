@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,3 +49,44 @@ def shared_prefix_blocks(tables: np.ndarray, seq_lens: np.ndarray, block_size: i
     n = tables.shape[1] if same.all() else int(same.argmin())
     n = min(n, int(seq_lens.min()) // block_size, CASCADE_MAX_TOKENS // block_size)
     return n if n * block_size >= CASCADE_MIN_TOKENS else 0
+
+
+# A step's attention inputs: one AttentionMetadata for every layer (one KV group), or one per
+# KV group, layer i reading the one of its group (contracts.kv_groups).
+StepAttention = AttentionMetadata | tuple[AttentionMetadata, ...]
+
+
+def group_major(tables: np.ndarray, num_groups: int) -> np.ndarray:
+    """Rows of group-minor tables (B, W * G: entry i * G + g is group g's block i) as
+    group-major rows (B, G * W): group g's table is the columns [g * W, (g + 1) * W), which
+    a kernel reads as a (B, W) view with a row stride of G * W."""
+    if num_groups == 1:
+        return tables
+    b, width = tables.shape
+    return np.ascontiguousarray(tables.reshape(b, width // num_groups, num_groups).transpose(0, 2, 1)).reshape(b, width)
+
+
+def group_views(x: Any, num_groups: int) -> list[Any]:
+    """The per-group parts of a group-major tensor or array: column blocks of block tables
+    (B, G * W), or consecutive runs of a slot mapping (G * N,)."""
+    width = x.shape[-1] // num_groups
+    return [x[..., g * width : (g + 1) * width] for g in range(num_groups)]
+
+
+def per_group(meta: AttentionMetadata, slot_mappings: list[torch.Tensor], tables: list[torch.Tensor]) -> StepAttention:
+    """`meta` for each KV group: the same batch with the group's slots and block tables
+    (`meta` itself with one group)."""
+    if len(tables) == 1:
+        return meta
+    return tuple(replace(meta, slot_mapping=s, block_tables=t) for s, t in zip(slot_mappings, tables))
+
+
+def shared_prefix_blocks_groups(
+    tables: np.ndarray, windows: tuple[int, ...], seq_lens: np.ndarray, block_size: int
+) -> int:
+    """shared_prefix_blocks over the full-attention groups of group-major tables (the only
+    layers cascade decode serves): the fewest any of them shares; 0 without one."""
+    if len(windows) == 1:
+        return 0 if windows[0] else shared_prefix_blocks(tables, seq_lens, block_size)
+    full = [t for t, w in zip(group_views(tables, len(windows)), windows) if not w]
+    return min((shared_prefix_blocks(t, seq_lens, block_size) for t in full), default=0)

@@ -72,6 +72,10 @@ class RemoteModel:
         return self._info.num_host_blocks
 
     @property
+    def kv_group_windows(self) -> tuple[int, ...]:
+        return self._info.kv_group_windows
+
+    @property
     def epoch(self) -> str:
         return self._info.epoch
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from contracts.kv_groups import KVGroups, kv_groups
+
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -75,6 +77,10 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int:
         """The sliding window of one layer; 0: full attention."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def kv_groups(self) -> KVGroups:
+        """The layers' KV-cache groups (contracts.kv_groups): one per attention type and size."""
+        return kv_groups(self.layer_windows, self.num_hidden_layers)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:

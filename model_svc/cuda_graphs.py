@@ -32,7 +32,14 @@ import torch
 
 from contracts import phase_times
 from contracts.step import PLACEHOLDER
-from model_svc.attention_metadata import CASCADE_MIN_SEQS, AttentionMetadata, shared_prefix_blocks
+from model_svc.attention_metadata import (
+    CASCADE_MIN_SEQS,
+    AttentionMetadata,
+    StepAttention,
+    group_views,
+    per_group,
+    shared_prefix_blocks_groups,
+)
 from model_svc.models.llama import LlamaForCausalLM
 from model_svc.transfer import PinnedStaging
 
@@ -60,7 +67,7 @@ class GraphInputs(NamedTuple):
 
     input_ids: Any  # (max_batch,) int64; PLACEHOLDER: the row's latest sampled token (on the device)
     positions: Any  # (max_batch,) int64
-    slot_mapping: Any  # (max_batch,) int64; -1 on padding rows
+    slot_mapping: Any  # (G * max_batch,) int64: each KV group's, max_batch apart; -1 on padding rows
     rows: Any  # (max_batch,) int64: each sequence's block-table row (where its latest token is kept)
     seq_lens: Any  # (max_batch,) int32; 1 on padding rows
     prefix_blocks: Any  # (1,) int32: the shared prefix of a cascade step
@@ -69,16 +76,17 @@ class GraphInputs(NamedTuple):
     seed: Any  # (1,) int64: the sampling graph's Philox key
 
     @staticmethod
-    def nbytes(max_batch: int) -> int:
-        return -(-(8 * (4 * max_batch + 1) + 4 * (2 * max_batch + 1) + 4 * max_batch) // 8) * 8
+    def nbytes(max_batch: int, num_groups: int = 1) -> int:
+        n = max_batch
+        return -(-(8 * ((3 + num_groups) * n + 1) + 4 * (2 * n + 1) + 4 * n) // 8) * 8
 
     @classmethod
-    def views(cls, buf: Any, max_batch: int) -> GraphInputs:
-        """The fields over `buf` (a uint8 numpy array or torch tensor of nbytes(max_batch))."""
+    def views(cls, buf: Any, max_batch: int, num_groups: int = 1) -> GraphInputs:
+        """The fields over `buf` (a uint8 numpy array or torch tensor of nbytes(max_batch, num_groups))."""
         numpy = isinstance(buf, np.ndarray)
         i64, i32, f32 = (np.int64, np.int32, np.float32) if numpy else (torch.int64, torch.int32, torch.float32)
-        n = max_batch
-        end64 = 8 * (4 * n + 1)
+        n, s = max_batch, (2 + num_groups) * max_batch  # s: where the slot mappings end
+        end64 = 8 * (s + n + 1)
         end32 = end64 + 4 * (2 * n + 1)
         longs = buf[:end64].view(i64)
         ints = buf[end64:end32].view(i32)
@@ -86,23 +94,25 @@ class GraphInputs(NamedTuple):
         return cls(
             longs[:n],
             longs[n : 2 * n],
-            longs[2 * n : 3 * n],
-            longs[3 * n : 4 * n],
+            longs[2 * n : s],
+            longs[s : s + n],
             ints[:n],
             ints[n : n + 1],
             ints[n + 1 :],
             floats,
-            longs[4 * n :],
+            longs[s + n :],
         )
 
     def pad(self, batch: int, bucket: int, spare_row: int = 0) -> None:
         """Rows batch..bucket as padding: token 0 at position 0, writing nowhere, one token of
         context, block-table row `spare_row` (where the sampling graph leaves their draws),
         greedy."""
+        n = self.input_ids.shape[0]
+        for g in range(0, self.slot_mapping.shape[0], n):
+            self.slot_mapping[g + batch : g + bucket] = -1
         padding = (
             (self.input_ids, 0),
             (self.positions, 0),
-            (self.slot_mapping, -1),
             (self.rows, spare_row),
             (self.seq_lens, 1),
             (self.greedy, 1),
@@ -136,10 +146,12 @@ class DecodeGraphs:
         last_token_rows: int = 4096,
         capture: bool = True,
         sample: Callable[..., Any] | None = None,
+        windows: tuple[int, ...] = (0,),
         pdl_max_batch: int = PDL_MAX_BATCH,
     ) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_batch, self.max_blocks = max_batch, max_blocks_per_seq
+        self.windows, groups = windows, len(windows)  # the KV groups' (model_svc.attention_metadata.per_group)
         self.max_prefix_blocks = max_prefix_blocks  # cascade graphs: the shared prefix's bound (0: none)
         # Each sequence's latest sampled token by block-table row (the runner writes it after
         # sampling): the graphs read placeholders' tokens from it. Fixed at capture. One row
@@ -147,15 +159,16 @@ class DecodeGraphs:
         self.last_token = torch.zeros(last_token_rows + 1, dtype=torch.long, device=device)
         self.spare_row = last_token_rows
         # The per-step inputs: one device buffer and its host image (staged, copied in one go).
-        self.host_buffer = np.zeros(GraphInputs.nbytes(max_batch), dtype=np.uint8)
-        self.host = GraphInputs.views(self.host_buffer, max_batch)
+        self.host_buffer = np.zeros(GraphInputs.nbytes(max_batch, groups), dtype=np.uint8)
+        self.host = GraphInputs.views(self.host_buffer, max_batch, groups)
         self.host.pad(0, max_batch, self.spare_row)
         self.buffer = torch.from_numpy(self.host_buffer).to(device, copy=True)
-        self.inputs = GraphInputs.views(self.buffer, max_batch)
+        self.inputs = GraphInputs.views(self.buffer, max_batch, groups)
         self.input_ids, self.positions, self.slot_mapping, self.rows, self.seq_lens, self.prefix_blocks = self.inputs[
             :6
         ]
-        self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32, device=device)
+        # Group-major: group g's tables in columns [g * max_blocks, (g + 1) * max_blocks).
+        self.block_tables = torch.zeros((max_batch, groups * max_blocks_per_seq), dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         # Keyed by (batch bucket, cascade).
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
@@ -168,16 +181,24 @@ class DecodeGraphs:
         if capture:  # (tests of the input handling build it without graphs, on any device)
             self._capture()
 
-    def _meta(self, batch: int, cascade: bool) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch],
-            block_tables=self.block_tables[:batch],
+    def _group_buffers(self, batch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each KV group's slot mapping and block tables of the first `batch` rows."""
+        groups, n = len(self.windows), self.max_batch
+        slots = [self.slot_mapping[g * n : g * n + batch] for g in range(groups)]
+        return slots, group_views(self.block_tables[:batch], groups)
+
+    def _meta(self, batch: int, cascade: bool) -> StepAttention:
+        slots, tables = self._group_buffers(batch)
+        meta = AttentionMetadata(
+            slot_mapping=slots[0],
+            block_tables=tables[0],
             seq_lens=self.seq_lens[:batch],
             cu_seqlens_q=self.cu_seqlens_q[: batch + 1],
             is_decode=True,
             prefix_blocks=self.prefix_blocks if cascade else None,
             max_prefix_blocks=self.max_prefix_blocks if cascade else 0,
         )
+        return per_group(meta, slots, tables)
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -259,16 +280,20 @@ class DecodeGraphs:
         pos[:] = positions
         h.rows[:n] = rows
         h.seq_lens[:n] = pos + 1
-        h.slot_mapping[:n] = tables[np.arange(n), pos // block_size].astype(np.int64) * block_size + pos % block_size
+        groups, width = len(self.windows), tables.shape[1] // len(self.windows)
+        for g in range(groups):
+            blocks = tables[np.arange(n), g * width + pos // block_size].astype(np.int64)
+            h.slot_mapping[g * self.max_batch : g * self.max_batch + n] = blocks * block_size + pos % block_size
         h.pad(n, self.bucket(n), self.spare_row)
-        prefix = shared_prefix_blocks(tables, h.seq_lens[:n], block_size)
+        prefix = shared_prefix_blocks_groups(tables, self.windows, h.seq_lens[:n], block_size)
         cascade = prefix > 0 and self.has_cascade(n, prefix)
         h.prefix_blocks[0] = prefix if cascade else 0
         sample = sampling is not None and bool(self.sample_graphs)
         if sampling is not None and sample:
             h.temperature[:n], h.greedy[:n], h.seed[0] = sampling
         staging.copy_into(self.host_buffer, self.buffer)
-        staging.copy_into(tables, self.block_tables[:n, : tables.shape[1]])
+        for g, part in enumerate(group_views(tables, groups) if groups > 1 else [tables]):
+            staging.copy_into(part, self.block_tables[:n, g * self.max_blocks : g * self.max_blocks + width])
         hidden = self.replay(n, cascade)
         if not sample:
             return DecodeReplay(hidden, None)
@@ -286,26 +311,30 @@ class DecodeGraphs:
         phase_times.add("graphs.replay", t)
         return self.outputs[key][:batch]
 
-    def can_run(self, batch: int, meta: AttentionMetadata) -> bool:
+    def can_run(self, batch: int, meta: StepAttention) -> bool:
+        meta = meta[0] if isinstance(meta, tuple) else meta
         if batch > self.max_batch or meta.block_tables.shape[1] > self.max_blocks:
             return False
         return meta.prefix_blocks is None or (
             batch >= CASCADE_MIN_SEQS and meta.max_prefix_blocks <= self.max_prefix_blocks
         )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, step_attn: StepAttention) -> torch.Tensor:
         """Copy a prepared batch's device inputs into the buffers, then replay (batches the
         runner did not write into `host`)."""
-        batch = input_ids.shape[0]
+        metas = step_attn if isinstance(step_attn, tuple) else (step_attn,)
+        meta, batch = metas[0], input_ids.shape[0]
         bucket = self.bucket(batch)
-        width = meta.block_tables.shape[1]
         self.input_ids[:batch].copy_(input_ids, non_blocking=True)
         self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[batch:bucket].fill_(-1)
+        for g, m in enumerate(metas):
+            slots = self.slot_mapping[g * self.max_batch : (g + 1) * self.max_batch]
+            slots[:batch].copy_(m.slot_mapping, non_blocking=True)
+            slots[batch:bucket].fill_(-1)
+            width, col = m.block_tables.shape[1], g * self.max_blocks
+            self.block_tables[:batch, col : col + width].copy_(m.block_tables, non_blocking=True)
         self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
         self.seq_lens[batch:bucket].fill_(1)
-        self.block_tables[:batch, :width].copy_(meta.block_tables, non_blocking=True)
         cascade = meta.prefix_blocks is not None
         if cascade:
             self.prefix_blocks.copy_(meta.prefix_blocks, non_blocking=True)

@@ -1,9 +1,11 @@
 """The KV tensors of both pools and the copy lists that move blocks between them.
 
-The device pool is one tensor (num_layers, 2, num_blocks, block_size, num_kv_heads,
-head_dim): each layer's K and V are (num_blocks, block_size, Hkv, D) views, the layout the
+The device pool is one tensor (group_size, 2, num_blocks, block_size, num_kv_heads,
+head_dim): a block id holds one block of one KV group (contracts.kv_groups), `group_size`
+layers' K and V; layer i's K and V are the (num_blocks, block_size, Hkv, D) views of its slot
+(a model of one attention type has one group: a slot per layer). That is the layout the
 attention kernels read, and a copy-on-write of a list of blocks is one indexed copy for all
-layers. The host pool is block-major instead, (num_blocks, num_layers, 2, block_size, Hkv, D),
+layers. The host pool is block-major instead, (num_blocks, group_size, 2, block_size, Hkv, D),
 so that one block is one contiguous chunk of bytes: a swap gathers the blocks on the device
 into the host's layout and moves each run of consecutive host blocks with one DMA. With CUDA
 the host pool is pinned and every copy is non-blocking, ordered on the device's stream with
@@ -16,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from contracts.kv_groups import KVGroups, kv_groups
 from model_svc.transfer import to_device
 
 # Blocks gathered per staging buffer: bounds the transient device memory of a large swap.
@@ -59,23 +62,22 @@ class KVCachePools:
         num_host_blocks: int,
         device: torch.device,
         dtype: torch.dtype,
+        groups: KVGroups | None = None,
     ) -> None:
         block = (block_size, config.num_key_value_heads, config.head_dim)
-        self.num_layers = config.num_hidden_layers
-        self.device_cache = torch.empty((self.num_layers, 2, num_device_blocks, *block), dtype=dtype, device=device)
+        self.groups = groups or kv_groups((), config.num_hidden_layers)
+        slots = self.groups.group_size
+        self.device_cache = torch.empty((slots, 2, num_device_blocks, *block), dtype=dtype, device=device)
         pin = device.type == "cuda"
-        self.host_cache = torch.empty(
-            (num_host_blocks, self.num_layers, 2, *block), dtype=dtype, device="cpu", pin_memory=pin
-        )
+        self.host_cache = torch.empty((num_host_blocks, slots, 2, *block), dtype=dtype, device="cpu", pin_memory=pin)
         # (k_cache, v_cache) views per layer: (num_blocks, block_size, Hkv, D)
-        self.layer_caches = [
-            (self.device_cache[i, 0], self.device_cache[i, 1]) for i in range(config.num_hidden_layers)
-        ]
+        self.layer_caches = [(self.device_cache[s, 0], self.device_cache[s, 1]) for s in self.groups.layer_slot]
 
     @staticmethod
-    def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(config, block_size: int, dtype: torch.dtype, groups: KVGroups | None = None) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return config.num_hidden_layers * 2 * block_size * config.num_key_value_heads * config.head_dim * elem
+        slots = groups.group_size if groups is not None else config.num_hidden_layers
+        return slots * 2 * block_size * config.num_key_value_heads * config.head_dim * elem
 
     @property
     def num_device_blocks(self) -> int:

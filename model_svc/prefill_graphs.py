@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from model_svc.attention_metadata import AttentionMetadata
+from model_svc.attention_metadata import StepAttention
 from model_svc.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,9 @@ class PrefillGraphs:
         dtype = self.inner.embed_tokens.weight.dtype
         self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
         self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=device)
+        self.layer_group = self.inner.layer_group
+        # One slot mapping per KV group: piece i writes layer i's K/V at its group's slots.
+        self.slot_mapping = torch.full((max(self.layer_group) + 1, size), -1, dtype=torch.long, device=device)
         # Every layer's queries (written by its piece) and attention output (read by the next).
         self.q = torch.zeros((size, cfg.num_attention_heads, cfg.head_dim), dtype=dtype, device=device)
         self.attn_out = torch.zeros_like(self.q)
@@ -82,15 +84,16 @@ class PrefillGraphs:
             return self.inner.norm(x, residual)[0]
         rope = self.inner.rotary_emb.inputs(self.positions[:n], gather=False)
         _, self._residual = self.layers[i].before_attention(
-            x, residual, rope, self.kv_caches[i], self.slot_mapping[:n], q_out=self.q[:n]
+            x, residual, rope, self.kv_caches[i], self.slot_mapping[self.layer_group[i], :n], q_out=self.q[:n]
         )
         return None
 
-    def _attention(self, i: int, n: int, meta: AttentionMetadata) -> None:
+    def _attention(self, i: int, n: int, step_attn: StepAttention) -> None:
         """Layer i's paged prefill attention, straight into the buffer the next piece reads
         (supports_piecewise: the model is on the Triton ops)."""
         from kernels.triton_prefill import prefill_with_config  # Triton is imported only where it runs
 
+        meta = step_attn[self.layer_group[i]] if isinstance(step_attn, tuple) else step_attn
         attn = self.layers[i].self_attn.attn
         k_cache, v_cache = self.kv_caches[i]
         prefill_with_config(
@@ -130,16 +133,22 @@ class PrefillGraphs:
             len(self.layers) + 1,
         )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _slots(self, step_attn: StepAttention) -> list[torch.Tensor]:
+        """The step's slot mapping of each KV group."""
+        metas = step_attn if isinstance(step_attn, tuple) else (step_attn,) * self.slot_mapping.shape[0]
+        return [m.slot_mapping for m in metas]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepAttention) -> torch.Tensor:
         """The model's hidden states (n, hidden) for a non-decode step of n <= max bucket tokens."""
         n = input_ids.shape[0]
         bucket = self.bucket(n)
         assert bucket is not None, "called for steps that fit a bucket (ModelRunner._forward)"
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        if n < bucket:
-            self.slot_mapping[n:bucket].fill_(-1)
+        for g, slots in enumerate(self._slots(meta)):
+            self.slot_mapping[g, :n].copy_(slots, non_blocking=True)
+            if n < bucket:
+                self.slot_mapping[g, n:bucket].fill_(-1)
         graphs = self.graphs[bucket]
         for i in range(len(self.layers)):
             graphs[i].replay()
@@ -147,12 +156,13 @@ class PrefillGraphs:
         graphs[-1].replay()
         return self.hidden[bucket][:n]
 
-    def run_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepAttention) -> torch.Tensor:
         """run() without graphs (the same pieces called directly): for tests on any device."""
         n = input_ids.shape[0]
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
-        self.slot_mapping[:n] = meta.slot_mapping
+        for g, slots in enumerate(self._slots(meta)):
+            self.slot_mapping[g, :n] = slots
         for i in range(len(self.layers)):
             self._piece(i, n)
             self._attention(i, n, meta)

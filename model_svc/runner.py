@@ -6,7 +6,6 @@ tokens fed so far (for penalties) and the sampling state; each step brings the d
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -21,13 +20,21 @@ from contracts.errors import SequenceFailed
 from contracts.sampling_params import SamplingParams
 from contracts.step import PLACEHOLDER, SeqStep, StepInput, StepOutput
 from kernels import select_ops
-from model_svc.attention_metadata import CASCADE_MAX_TOKENS, AttentionMetadata, shared_prefix_blocks
+from model_svc.attention_metadata import (
+    CASCADE_MAX_TOKENS,
+    AttentionMetadata,
+    StepAttention,
+    group_major,
+    group_views,
+    per_group,
+)
 from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.launched_step import LaunchedStep
 from model_svc.loader import cpu_threads, load_model, resolve_dtype
 from model_svc.models.llama import LlamaForCausalLM
 from model_svc.prefill_graphs import PrefillGraphs, supports_piecewise
 from model_svc.sampler import Sampler, SamplingBatch, make_generator, plain_row, row_problem
+from model_svc.step_batch import flatten, longest_first
 from model_svc.transfer import PinnedStaging, to_device
 from model_svc.warmup import compile_kernels, profile_num_blocks
 
@@ -43,7 +50,7 @@ class _SeqState:
     sampling: SamplingParams
     num_prompt_tokens: int
     row: int = -1  # this sequence's row in the persistent block table
-    num_blocks: int = 0
+    num_blocks: int = 0  # logical blocks: table entries per KV group
     token_ids: list[int] = field(default_factory=list)  # every token fed, by position
     generator: torch.Generator | None = None
     sampled: bool = False  # a launched step samples it: a placeholder can stand for its latest token
@@ -89,7 +96,8 @@ class ModelRunner:
         self.enforce_eager = enforce_eager
         fused_sample = _fused_sample(self.ops.name)
         self.sampler = Sampler(fused_sample)  # before profiling: the profile runs it
-        block_bytes = KVCachePools.bytes_per_block(self.config, block_size, self.dtype)
+        self.kv_groups = self.config.kv_groups()
+        block_bytes = KVCachePools.bytes_per_block(self.config, block_size, self.dtype, self.kv_groups)
         if num_device_blocks is None:
             budget = (device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens, max_num_seqs)
             num_device_blocks = profile_num_blocks(
@@ -99,9 +107,14 @@ class ModelRunner:
                 num_device_blocks = tp.agree_min(num_device_blocks)
         if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
             num_host_blocks = num_host_blocks(num_device_blocks, block_bytes)
-        self.pools = KVCachePools(self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype)
-        max_len = min(self.config.max_position_embeddings, num_device_blocks * block_size)
-        self.block_tables = HostBlockTables(-(-max_len // block_size))
+        self.pools = KVCachePools(
+            self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype, self.kv_groups
+        )
+        # A sliding group holds only its window: a sequence may then outgrow the pool's blocks.
+        slides = all(self.kv_groups.windows)
+        max_len = min(self.config.max_position_embeddings, (1 << 62) if slides else num_device_blocks * block_size)
+        self.max_blocks_per_seq = -(-max_len // block_size)  # logical blocks (table entries per group)
+        self.block_tables = HostBlockTables(self.kv_groups.num_groups * self.max_blocks_per_seq)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # prefill and mixed steps of up to 2,048 tokens
         # Each sequence's latest sampled token on the device, by block-table row: placeholders
@@ -143,13 +156,14 @@ class ModelRunner:
         layers split at the attention, the prefill graphs."""
         from model_svc.cuda_graphs import PDL_MAX_BATCH, DecodeGraphs
 
-        width = self.block_tables.table.shape[1]  # blocks of the longest possible sequence
+        width = self.max_blocks_per_seq  # blocks of the longest possible sequence
         self.graphs = DecodeGraphs(
             self.model,
             self.pools.layer_caches,
             min(max_num_seqs, 512),
             width,
             self.device,
+            windows=self.kv_groups.windows,
             max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // self.block_size),
             sample=fused_sample,
             pdl_max_batch=PDL_MAX_BATCH if pdl else 0,
@@ -173,6 +187,10 @@ class ModelRunner:
     @property
     def num_host_blocks(self) -> int:
         return self.pools.num_host_blocks
+
+    @property
+    def kv_group_windows(self) -> tuple[int, ...]:
+        return self.kv_groups.windows
 
     # ----------------------------------------------------------------- the step
     def step(self, inp: StepInput) -> StepOutput:
@@ -202,10 +220,11 @@ class ModelRunner:
             for s in inp.seqs:
                 self._update_seq(s)
         self._fit_last_token()
-        seqs = _longest_first(inp.seqs)
+        seqs = longest_first(inp.seqs)
         states = [self.seqs[s.seq_id] for s in seqs]
         rows = [st.row for st in states]
-        tables = self.block_tables.rows(rows, max(st.num_blocks for st in states))  # the step's block tables
+        width = max(st.num_blocks for st in states) * self.kv_groups.num_groups
+        tables = group_major(self.block_tables.rows(rows, width), self.kv_groups.num_groups)  # the step's tables
         replay = self._graph_decode(seqs, states, rows, tables)
         if replay is not None:
             phase_times.add("runner.graph_decode", t)
@@ -321,10 +340,11 @@ class ModelRunner:
         token_ids' order)."""
         self._last_token[rows] = token_ids.reshape(-1).to(torch.int64)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.graphs is not None and meta.is_decode and self.graphs.can_run(input_ids.shape[0], meta):
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepAttention) -> torch.Tensor:
+        first = meta[0] if isinstance(meta, tuple) else meta
+        if self.graphs is not None and first.is_decode and self.graphs.can_run(input_ids.shape[0], meta):
             return self.graphs.run(input_ids, positions, meta)
-        if self.prefill_graphs is not None and not meta.is_decode and self.prefill_graphs.bucket(input_ids.shape[0]):
+        if self.prefill_graphs is not None and not first.is_decode and self.prefill_graphs.bucket(input_ids.shape[0]):
             return self.prefill_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.pools.layer_caches, meta)
 
@@ -351,7 +371,7 @@ class ModelRunner:
                 self.seqs[s.seq_id] = state
         if s.table_blocks is not None:
             self.block_tables.write(state.row, s.table_start, s.table_blocks)
-            state.num_blocks = s.table_start + len(s.table_blocks)
+            state.num_blocks = (s.table_start + len(s.table_blocks)) // self.kv_groups.num_groups
         fed = s.token_ids
         end = s.start_pos + len(fed)
         if fed and fed[-1] == PLACEHOLDER:
@@ -369,61 +389,29 @@ class ModelRunner:
 
     def _prepare(
         self, seqs: list[SeqStep], rows: list[int], tables: np.ndarray
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, SeqStep]]]:
-        """Flatten the batch (rows: the sequences' rows of the persistent host block table,
-        tables: those rows, as wide as the longest). The slot mapping is computed from the
-        tables on the host, and every per-token and per-sequence array travels in one
-        host-to-device copy."""
-        num_seqs = len(seqs)
-        lens = [len(s.token_ids) for s in seqs]
-        num_tokens = sum(lens)
-        packed = np.empty(3 * num_tokens + 3 * num_seqs + 2, dtype=np.int64)
-        ids, pos, slots = (
-            packed[:num_tokens],
-            packed[num_tokens : 2 * num_tokens],
-            packed[2 * num_tokens : 3 * num_tokens],
-        )
-        seq_lens, cu = (
-            packed[3 * num_tokens : 3 * num_tokens + num_seqs],
-            packed[3 * num_tokens + num_seqs : 3 * num_tokens + 2 * num_seqs + 1],
-        )
-        cu[0] = 0
-        np.cumsum(lens, out=cu[1:])
-        if num_tokens == num_seqs:  # decode: one token each
-            ids[:] = [s.token_ids[0] for s in seqs]
-            pos[:] = [s.start_pos for s in seqs]
-            seq_index = np.arange(num_seqs)
-        else:  # no Python loop per token, nor an arange per sequence (a burst of 64 prompts: 2,048 tokens)
-            ids[:] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64, num_tokens)
-            seq_index = np.repeat(np.arange(num_seqs), lens)
-            starts = np.array([s.start_pos for s in seqs], dtype=np.int64)
-            pos[:] = np.arange(num_tokens) + (starts - cu[:-1])[seq_index]
-        seq_lens[:] = [s.start_pos + n for s, n in zip(seqs, lens)]
-        sample_rows = [(int(cu[b + 1]) - 1, s) for b, s in enumerate(seqs) if s.sample]
-        packed[3 * num_tokens + 2 * num_seqs + 1 : -1] = rows
-        bs = self.block_size
-        prefix = shared_prefix_blocks(tables, seq_lens, bs) if num_tokens == num_seqs else 0
-        packed[-1] = prefix
-        slots[:] = tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs  # on the host: no kernels
-        packed_dev = self._h2d(packed)
-        self._rows = packed_dev[3 * num_tokens + 2 * num_seqs + 1 : -1]
-        placeholders = np.flatnonzero(ids == PLACEHOLDER)
+    ) -> tuple[torch.Tensor, torch.Tensor, StepAttention, list[tuple[int, SeqStep]]]:
+        """The batch flattened on the host (model_svc.step_batch), then on the device in one
+        copy of its arrays and one of its block tables (group-major)."""
+        batch = flatten(seqs, rows, tables, self.block_size, self.kv_groups.windows)
+        n, b, t, groups = batch.num_tokens, batch.num_seqs, batch.seq_start, batch.num_groups
+        packed_dev = self._h2d(batch.packed)
+        self._rows = packed_dev[t + 2 * b + 1 : -1]
+        placeholders = np.flatnonzero(batch.ids == PLACEHOLDER)
         if placeholders.size:
-            self._fill_placeholders(packed_dev[:num_tokens], placeholders, seq_index)
-        block_tables = self._h2d(tables)
-        t = num_tokens
+            self._fill_placeholders(packed_dev[:n], placeholders, batch.seq_index)
+        block_tables = group_views(self._h2d(tables), groups)
+        slots = group_views(packed_dev[2 * n : t], groups)
         meta = AttentionMetadata(
-            slot_mapping=packed_dev[2 * t : 3 * t],
-            block_tables=block_tables,
-            seq_lens=packed_dev[3 * t : 3 * t + num_seqs].to(torch.int32),
-            cu_seqlens_q=packed_dev[3 * t + num_seqs : 3 * t + 2 * num_seqs + 1].to(torch.int32),
-            is_decode=num_tokens == num_seqs,
-            prefix_blocks=packed_dev[-1:].to(torch.int32) if prefix else None,
-            max_prefix_blocks=prefix,
-            max_query_len=max(lens),
+            slot_mapping=slots[0],
+            block_tables=block_tables[0],
+            seq_lens=packed_dev[t : t + b].to(torch.int32),
+            cu_seqlens_q=packed_dev[t + b : t + 2 * b + 1].to(torch.int32),
+            is_decode=n == b,
+            prefix_blocks=packed_dev[-1:].to(torch.int32) if batch.prefix else None,
+            max_prefix_blocks=batch.prefix,
+            max_query_len=batch.max_query_len,
         )
-        ids_dev, pos_dev = packed_dev[:t], packed_dev[t : 2 * t]
-        return ids_dev, pos_dev, meta, sample_rows
+        return packed_dev[:n], packed_dev[n : 2 * n], per_group(meta, slots, block_tables), batch.sample_rows
 
 
 def _fused_sample(ops_name: str) -> Callable[..., torch.Tensor] | None:
@@ -433,14 +421,3 @@ def _fused_sample(ops_name: str) -> Callable[..., torch.Tensor] | None:
     from kernels.triton_sample import gumbel_sample
 
     return gumbel_sample
-
-
-def _longest_first(seqs: list[SeqStep]) -> list[SeqStep]:
-    """A decode batch ordered by context length, longest first (stable). The decode kernel's
-    programs start in batch order and each takes time in proportion to its sequence's length;
-    started longest first, the short ones fill in at the end instead of one long sequence
-    running alone (longest-processing-time-first list scheduling). Results are matched to
-    sequences by id, so the order is the runner's own business. Other batches keep theirs."""
-    if len(seqs) < 2 or any(len(s.token_ids) != 1 for s in seqs):
-        return seqs
-    return sorted(seqs, key=lambda s: -s.start_pos)

@@ -78,6 +78,7 @@ class ModelService:
             str(r.device),
             str(r.dtype),
             facts,
+            r.kv_group_windows,
         )
 
     def launch(self, expected_epoch: str, inp: StepInput) -> Any:

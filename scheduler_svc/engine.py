@@ -51,6 +51,9 @@ class ModelClient(Protocol):
     def num_host_blocks(self) -> int: ...
 
     @property
+    def kv_group_windows(self) -> tuple[int, ...]: ...  # contracts.kv_groups
+
+    @property
     def config(self) -> Any: ...
 
     def step(self, inp: StepInput) -> StepOutput: ...
@@ -82,7 +85,11 @@ class LLMEngine:
             kv
             if kv is not None
             else KVCacheManager(
-                model.num_device_blocks, model.num_host_blocks, config.block_size, config.enable_prefix_caching
+                model.num_device_blocks,
+                model.num_host_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                model.kv_group_windows,
             )
         )
         self.scheduler = Scheduler(SchedulerConfig.of(config, self._max_model_len(model, config)), self.kv)
@@ -109,7 +116,7 @@ class LLMEngine:
         self._failing: SchedulerOutput | None = None  # the step whose model call is under way
 
     def _max_model_len(self, model, config: EngineConfig) -> int:
-        limit = min(self.model_config.max_position_embeddings, model.num_device_blocks * config.block_size)
+        limit = self.kv.max_tokens(self.model_config.max_position_embeddings)
         return limit if config.max_model_len is None else min(limit, config.max_model_len)
 
     # ----------------------------------------------------------------- requests
@@ -397,10 +404,10 @@ class LLMEngine:
         than the device pool has (the pool shrank after it was admitted). It fails alone with
         OUT_OF_RANGE; with no such request the engine is stuck for another reason."""
         pool = self.scheduler.kv.device.num_blocks
-        stuck = [r for r in self.scheduler.waiting if self.scheduler.kv.num_blocks_for(r.num_tokens + 1) > pool]
+        stuck = [r for r in self.scheduler.waiting if self.scheduler.kv.blocks_to_hold(r.num_tokens + 1) > pool]
         if not stuck:
             raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
-        limit = f"{pool * self.scheduler.kv.block_size - 1} (max_model_len {self.max_model_len})"
+        limit = f"{self.scheduler.kv.max_tokens(self.max_model_len + 1) - 1} (max_model_len {self.max_model_len})"
         return self._fail_each(
             [
                 (r, OutOfRange(f"request {r.request_id} has {r.num_tokens} tokens; the KV cache holds at most {limit}"))

@@ -58,7 +58,14 @@ logger = logging.getLogger(__name__)
 def pool_config(model: RemoteModel, enable_prefix_caching: bool) -> PoolConfig:
     info = model.info
     assert info is not None
-    return PoolConfig(info.num_device_blocks, info.num_host_blocks, info.block_size, enable_prefix_caching, info.epoch)
+    return PoolConfig(
+        info.num_device_blocks,
+        info.num_host_blocks,
+        info.block_size,
+        enable_prefix_caching,
+        info.epoch,
+        info.kv_group_windows,
+    )
 
 
 class _RemoteStep:

@@ -98,7 +98,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- queue
     def add(self, request: Request) -> None:
-        needed = self.kv.num_blocks_for(request.num_prompt_tokens + 1)
+        needed = self.kv.blocks_to_hold(request.num_prompt_tokens + 1)
         if needed > self.kv.device.num_blocks:
             raise ValueError(
                 f"prompt of {request.num_prompt_tokens} tokens needs {needed} blocks; "
@@ -241,12 +241,12 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
-            num_blocks = len(self.kv.block_table(req.request_id))
             # Room for the blocks and for what this step writes (a decode token, or the rest of a
             # prompt that was preempted part-way through its prefill), so it can run now.
             num_new = min(req.feed_end - req.num_computed_tokens, budget)
-            grow = max(0, self.kv.num_blocks_for(req.num_computed_tokens + num_new) - num_blocks)
-            if num_blocks + grow > self.kv.num_free_blocks(Tier.DEVICE):
+            if self.kv.blocks_to_resume(req.request_id, req.num_computed_tokens + num_new) > self.kv.num_free_blocks(
+                Tier.DEVICE
+            ):
                 break
             copies = self.kv.swap_in(req.request_id)
             assert not isinstance(copies, NoFreeBlocks)

@@ -2,7 +2,8 @@
 (per-head q/k RMSNorm) through ModelConfig flags.
 
 The model sees a flat batch of N new tokens (all sequences of a step concatenated), their
-positions, one (k_cache, v_cache) pair per layer and the step's AttentionMetadata. It knows
+positions, one (k_cache, v_cache) pair per layer and the step's AttentionMetadata (one per KV
+group when the layers have several: each layer reads its group's). It knows
 nothing about requests or tokenization. Parameter names follow the HF checkpoints, except
 that q/k/v and gate/up are merged (see packed_modules_mapping).
 """
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.ops import KernelOps
-from model_svc.attention_metadata import AttentionMetadata
+from model_svc.attention_metadata import AttentionMetadata, StepAttention
 from model_svc.config import ModelConfig
 from model_svc.layers import (
     Attention,
@@ -302,6 +303,7 @@ class LlamaModel(nn.Module):
         self.tp = tp
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, i, tp) for i in range(config.num_hidden_layers))
+        self.layer_group = config.kv_groups().layer_group  # which of a step's per-group attention inputs each reads
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.fused = fused_kernels(ops) is not None
         self.gemv_ops = gemv_kernels(ops)
@@ -319,18 +321,20 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,  # (N,) int64
         positions: torch.Tensor,  # (N,) int64
         kv_caches: list[KVCache] | None,
-        attn: AttentionMetadata,
+        attn: StepAttention,
     ) -> torch.Tensor:  # (N, hidden)
         x = self.embed_tokens(input_ids)  # (N, hidden)
         rope = self.rotary_emb.inputs(positions, gather=not self.fused)  # shared by all layers
+        metas = [attn[g] for g in self.layer_group] if isinstance(attn, tuple) else [attn] * len(self.layer_group)
+        caches = kv_caches if kv_caches is not None else [None] * len(metas)
         if self.defers_norms(x):
             sums = None
-            for i, layer in enumerate(self.decoder_layers()):
-                x, sums = layer.forward_deferred(x, sums, rope, kv_caches[i] if kv_caches is not None else None, attn)
+            for layer, cache, meta in zip(self.decoder_layers(), caches, metas):
+                x, sums = layer.forward_deferred(x, sums, rope, cache, meta)
             return self.norm(x, None)[0]
         residual = None
-        for i, layer in enumerate(self.decoder_layers()):
-            x, residual = layer(x, residual, rope, kv_caches[i] if kv_caches is not None else None, attn)
+        for layer, cache, meta in zip(self.decoder_layers(), caches, metas):
+            x, residual = layer(x, residual, rope, cache, meta)
         x, _ = self.norm(x, residual)
         return x
 
@@ -410,7 +414,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # (N,) int64
         positions: torch.Tensor,  # (N,) int64
         kv_caches: list[KVCache] | None,  # one (k_cache, v_cache) per layer; None/empty = profiling
-        attn: AttentionMetadata,
+        attn: StepAttention,
     ) -> torch.Tensor:  # (N, hidden)
         return self.model(input_ids, positions, kv_caches, attn)
 

@@ -222,7 +222,7 @@ def test_recent_hashes_match_fresh_hashing():
             for m in (mgr, fresh):
                 run_prompt(m, f"s{i}", prompt, key)
                 m.free(f"s{i}")
-        fresh._recent = None
+        fresh.matcher._recent = None
         assert mgr.match_prefix(prompt, key) == fresh.match_prefix(prompt, key), (i, cut, key)
 
 
@@ -245,8 +245,8 @@ def test_reused_hits_match_fresh_lookups_under_eviction_and_reset():
                 m.free(f"s{i}")
         elif event < 0.42:
             assert mgr.reset_prefix_cache() == fresh.reset_prefix_cache()
-        fresh._recent = None
-        before = len(mgr._recent_hits)
+        fresh.matcher._recent = None
+        before = len(mgr.matcher._recent_hits)
         got = mgr.match_prefix(prompt)
         assert got == fresh.match_prefix(prompt), i
         reused += before > 0 and got.num_tokens > 0

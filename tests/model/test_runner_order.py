@@ -8,7 +8,8 @@ import pytest
 
 from contracts.step import PLACEHOLDER, SeqStep, StepInput
 from model_svc.loader import BUNDLED_MODEL_DIR
-from model_svc.runner import ModelRunner, _longest_first
+from model_svc.runner import ModelRunner
+from model_svc.step_batch import longest_first
 from scheduler_svc import SamplingParams
 
 PROMPTS = {"a": [1, 403, 407], "b": [1, 317, 269, 274, 287, 263, 377, 267, 265, 282], "c": [1, 261, 378, 295, 433, 426]}
@@ -24,7 +25,7 @@ def greedy(order: list[str], steps: int = 6) -> dict[str, list[int]]:
     got = {t.seq_id: [t.token_id] for t in out.sampled}
     for _ in range(steps - 1):
         seqs = [SeqStep(s, [got[s][-1]], len(PROMPTS[s]) + len(got[s]) - 1, True) for s in order]
-        assert [x.seq_id for x in _longest_first(seqs)] == sorted(order, key=lambda s: -len(PROMPTS[s]))
+        assert [x.seq_id for x in longest_first(seqs)] == sorted(order, key=lambda s: -len(PROMPTS[s]))
         for t in runner.step(StepInput(seqs=seqs)).sampled:
             got[t.seq_id].append(t.token_id)
     return got
@@ -38,9 +39,9 @@ def test_decode_tokens_follow_their_sequence_in_any_order():
 
 def test_only_decode_batches_are_reordered():
     decode = [SeqStep("x", [1], 3, True), SeqStep("y", [2], 9, True), SeqStep("z", [3], 9, True)]
-    assert [s.seq_id for s in _longest_first(decode)] == ["y", "z", "x"]  # stable among equals
+    assert [s.seq_id for s in longest_first(decode)] == ["y", "z", "x"]  # stable among equals
     mixed = [SeqStep("x", [1], 3, True), SeqStep("y", [2, 3], 9, True)]
-    assert _longest_first(mixed) is mixed
+    assert longest_first(mixed) is mixed
 
 
 def test_placeholders_take_each_sequence_latest_sample_with_steps_ahead():

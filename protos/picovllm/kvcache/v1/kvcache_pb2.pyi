@@ -17,18 +17,20 @@ TIER_DEVICE: Tier
 TIER_HOST: Tier
 
 class PoolConfig(_message.Message):
-    __slots__ = ("num_device_blocks", "num_host_blocks", "block_size", "enable_prefix_caching", "epoch")
+    __slots__ = ("num_device_blocks", "num_host_blocks", "block_size", "enable_prefix_caching", "epoch", "group_windows")
     NUM_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     num_device_blocks: int
     num_host_blocks: int
     block_size: int
     enable_prefix_caching: bool
     epoch: str
-    def __init__(self, num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., epoch: _Optional[str] = ...) -> None: ...
+    group_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., epoch: _Optional[str] = ..., group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResetOp(_message.Message):
     __slots__ = ("config",)

@@ -137,7 +137,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("epoch", "model", "family", "vocab_size", "max_position_embeddings", "eos_token_ids", "bos_token_id", "block_size", "num_device_blocks", "num_host_blocks", "device", "dtype", "columnar_step")
+    __slots__ = ("epoch", "model", "family", "vocab_size", "max_position_embeddings", "eos_token_ids", "bos_token_id", "block_size", "num_device_blocks", "num_host_blocks", "device", "dtype", "columnar_step", "kv_group_windows")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class GetInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     COLUMNAR_STEP_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     model: str
     family: str
@@ -164,4 +165,5 @@ class GetInfoResponse(_message.Message):
     device: str
     dtype: str
     columnar_step: bool
-    def __init__(self, epoch: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., columnar_step: _Optional[bool] = ...) -> None: ...
+    kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., columnar_step: _Optional[bool] = ..., kv_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
