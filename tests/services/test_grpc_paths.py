@@ -177,6 +177,7 @@ class FakeRunner:
     "slow" until released; `fail_launch` / `fail_result` raise in the named phase."""
 
     block_size, num_device_blocks, num_host_blocks, device, dtype = 4, 64, 16, "cpu", "float32"
+    kv_group_windows = (0,)
 
     def __init__(self) -> None:
         from contracts.model_info import ModelFacts

@@ -60,6 +60,7 @@ class ScriptedModel:
     config = property(lambda self: self.info.config)
     num_device_blocks = property(lambda self: self.info.num_device_blocks)
     num_host_blocks = property(lambda self: self.info.num_host_blocks)
+    kv_group_windows = property(lambda self: self.info.kv_group_windows)
 
     def restart(self) -> None:
         self.epoch_n += 1
