@@ -43,6 +43,7 @@ class Trace:
     swapped: list[int] = field(default_factory=list)
     used_slots: list[int] = field(default_factory=list)  # tokens with K/V in device blocks
     allocated_blocks: list[int] = field(default_factory=list)  # distinct device blocks in tables
+    step_blocks: list[int] = field(default_factory=list)  # ... while the step runs (after its schedule)
     live_tokens: list[list[int]] = field(default_factory=list)  # per resident request: computed tokens
     batched_tokens: list[int] = field(default_factory=list)
     writes: list[dict[int, int]] = field(default_factory=list)  # per step: block id -> tokens written
@@ -54,6 +55,7 @@ class Trace:
 
 def record_run(engine, prompts: list[list[int]], output_lens: list[int]) -> Trace:
     """Run the requests to completion, reading the KV tables around every engine step."""
+    from contracts.kv_groups import NO_BLOCK
     from kvcache_svc.block_pool import Tier
 
     kv, sched = engine.kv, engine.scheduler
@@ -65,7 +67,7 @@ def record_run(engine, prompts: list[list[int]], output_lens: list[int]) -> Trac
         engine.max_model_len,
         cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes,
     )
-    bs = kv.block_size
+    bs, groups = kv.block_size, kv.num_groups
     pending: dict[str, object] = {}
 
     def schedule_hook(orig=sched.schedule):
@@ -75,10 +77,13 @@ def record_run(engine, prompts: list[list[int]], output_lens: list[int]) -> Trac
         for seq in out.step.seqs:
             table = kv.block_table(seq.seq_id)
             for pos in range(seq.start_pos, seq.start_pos + len(seq.token_ids)):
-                block = table[pos // bs]
-                written[block] = written.get(block, 0) + 1
+                for g in range(groups):  # the tables are group-minor (contracts.kv_groups)
+                    block = table[pos // bs * groups + g]
+                    written[block] = written.get(block, 0) + 1
         pending["writes"] = written
         pending["batched"] = out.num_batched_tokens
+        held = (b for s in kv.seqs.values() if s.tier == Tier.DEVICE for b in s.block_ids if b != NO_BLOCK)
+        pending["held"] = len(set(held))
         return out
 
     sched.schedule = schedule_hook
@@ -98,8 +103,9 @@ def record_run(engine, prompts: list[list[int]], output_lens: list[int]) -> Trac
             for seq_id, seq in kv.seqs.items():
                 if seq.tier != Tier.DEVICE:
                     continue
-                blocks.update(seq.block_ids)
-                trace.peak_blocks[seq_id] = max(trace.peak_blocks.get(seq_id, 0), len(seq.block_ids))
+                live = [b for b in seq.block_ids if b != NO_BLOCK]
+                blocks.update(live)
+                trace.peak_blocks[seq_id] = max(trace.peak_blocks.get(seq_id, 0), len(live))
                 req = engine.requests.get(seq_id)
                 lens.append(req.num_computed_tokens if req is not None else 0)
             trace.running.append(len(sched.running))
@@ -109,6 +115,7 @@ def record_run(engine, prompts: list[list[int]], output_lens: list[int]) -> Trac
             trace.allocated_blocks.append(len(blocks))
             trace.live_tokens.append(lens)
             trace.batched_tokens.append(pending["batched"])
+            trace.step_blocks.append(pending["held"])
             trace.writes.append(pending["writes"])
     finally:
         del sched.schedule

@@ -97,21 +97,23 @@ def plot_memory(r: dict, out_dir) -> Path:
 
 
 def plot_memory_hybrid(r: dict, out_dir) -> Path:
-    layers, steps = r["layers"], r["per_step"]
+    layers, runs = r["layers"], r["runs"]
     fig, ax = plt.subplots(figsize=(10, 4.6))
     fig.suptitle(
         f"KV of a hybrid model - {r['model']}: {layers['full']} full + {layers['sliding']} sliding layers "
         f"(window {layers['window']}), {r['block_size']}-token blocks, {r['workload']['num_requests']} requests"
     )
-    x = np.arange(len(steps["all_full"]))
     peak = r["peak_layer_blocks"]
-    ax.plot(x, steps["all_full"], color=CONTIG, label=f"every layer full attention (peak {peak['all_full']})")
-    ax.plot(x, steps["groups"], color=PAGED, label=f"KV-cache groups, analytical (peak {peak['groups']})")
+    labels = {"all_full": ("every layer full attention", CONTIG), "groups": ("KV-cache groups", PAGED)}
+    for name, (label, color) in labels.items():
+        series = runs[name]["layer_blocks"]
+        ax.plot(np.arange(len(series)), series, color=color, label=f"{label} (peak {peak[name]})")
     ax.set_xlabel("engine step")
-    ax.set_ylabel("layer-blocks held")
+    ax.set_ylabel("layer-blocks held (measured)")
     ax.set_title(f"Peak saving {r['peak_saving']:.1%}")
     ax2 = ax.twinx()
-    ax2.plot(x, steps["running"], color="gray", lw=0.8, alpha=0.6, label="resident requests")
+    running = runs["groups"]["running"]
+    ax2.plot(np.arange(len(running)), running, color="gray", lw=0.8, alpha=0.6, label="resident requests (groups)")
     ax2.set_ylabel("resident requests", color="gray")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()

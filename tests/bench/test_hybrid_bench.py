@@ -31,7 +31,13 @@ def test_hybrid_bench_small(tmp_path):
         ("tiny-hybrid", 72),
     ]
     for r in rows:
-        assert -(-r["context"] // 16) <= r["kv_blocks_per_request"] <= -(-(r["context"] + 3) // 16)
+        full = -(-(r["context"] + 3) // 16)  # every block of prompt and output
+        if r["model"] == "tiny":
+            assert r["kv_groups"] == 1 and r["kv_blocks_per_request"] <= full
+        else:  # the full group all of them, the sliding group (window 32) at most three
+            assert r["kv_groups"] == 2 and r["kv_blocks_per_request"] <= full + 3
         assert r["decode_tok_s"] > 0 and r["prefill_s"] > 0
+    by = {(r["model"], r["context"]): r for r in rows}
+    assert by["tiny-hybrid", 72]["kv_mib_per_request"] < by["tiny", 72]["kv_mib_per_request"]
     text = out.read_text()
     assert "| 72 | tiny-hybrid |" in text and "window 32" in text

@@ -24,6 +24,8 @@ from tests.services.inprocess_kv import InProcessTransport
 
 BS = 4
 CONFIG = PoolConfig(num_device_blocks=24, num_host_blocks=12, block_size=BS, enable_prefix_caching=True, epoch="e1")
+# A hybrid model's pools: a full and a sliding-window KV group (contracts.kv_groups).
+GROUPS = dataclasses.replace(CONFIG, group_windows=(0, 5))
 
 
 def state_of(manager: KVCacheManager, config: PoolConfig = CONFIG):
@@ -39,11 +41,11 @@ def assert_same(client: KVClient, service: KVCacheService) -> None:
     assert state_of(client.manager) == state_of(service.manager)
 
 
-def make_client(store=None) -> tuple[KVClient, KVCacheService]:
+def make_client(store=None, config: PoolConfig = CONFIG) -> tuple[KVClient, KVCacheService]:
     service = KVCacheService(store or MemoryStore())
     service.load()
     client = KVClient(InProcessTransport(service))
-    assert client.connect(CONFIG) is False
+    assert client.connect(config) is False
     client.commit()
     return client, service
 
@@ -90,10 +92,11 @@ def drive(kv, steps: int, seed: int, preemption_mode: str, after_commit=None, co
     return log, sched.stats.num_preemptions
 
 
+@pytest.mark.parametrize("config", [CONFIG, GROUPS], ids=["one-group", "full+sliding"])
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_client_is_transparent_and_service_follows(mode):
-    plain = KVCacheManager(CONFIG.num_device_blocks, CONFIG.num_host_blocks, BS)
-    client, service = make_client()
+def test_client_is_transparent_and_service_follows(mode, config):
+    plain = config.new_manager()
+    client, service = make_client(config=config)
     want = drive(plain, 150, seed=7, preemption_mode=mode)
     got = drive(client, 150, seed=7, preemption_mode=mode, after_commit=lambda: assert_same(client, service))
     assert got == want
@@ -146,9 +149,10 @@ def test_service_that_lost_its_state_gets_reset():
 
 
 # ----------------------------------------------------------------- Redis
-def test_redis_store_reloads_every_step_exactly(redis_server, deployment):
+@pytest.mark.parametrize("config", [CONFIG, GROUPS], ids=["one-group", "full+sliding"])
+def test_redis_store_reloads_every_step_exactly(redis_server, deployment, config):
     store = RedisStore(redis_server.url, deployment)
-    client, service = make_client(store)
+    client, service = make_client(store, config)
 
     def reload_equals():
         again = KVCacheService(RedisStore(redis_server.url, deployment))
