@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU results of bench/results/ in parts that each fit one ten-minute run.
-# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|h|s|u|r|t|v|all]
+# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|h|k|s|u|r|t|v|all]
 #   a: GPU tests and numerics, greedy parity (bf16 Qwen3-0.6B shape), per-phase device times
 #      (B=1 and B=256), host profile of the engine step
 #   b: headline throughput embedded + service mode (with the parity check), batch-1 latency,
@@ -13,6 +13,8 @@
 #      comparison), service mode (pipelined, with the parity check)
 #   g: batch-1 latency, swap vs recompute, prefix caching
 #   h: GPU tests and the headline (embedded, workload warm-up)
+#   k: KV-cache groups: a hybrid sliding-window model vs all-full at 8k-32k contexts, and n=8
+#      parallel sampling
 #   s: the service as users call it: streaming gRPC (256 and 8 streams) and HTTP vs embedded
 #   u: the user path: LLM(model=dir) with defaults and the real Qwen2 tokenizer (then the
 #      in-memory row); detokenization's cost on this host's CPU, both decode paths
@@ -87,6 +89,10 @@ fi
 if has h; then  # GPU tests and the headline alone
   run gpu-tests 150 python -m pytest -q -m gpu tests/scheduler tests/model tests/kernels -x
   run throughput 150 python bench/throughput.py --no-user-path --repeats 3 --warmup workload --out "$out/throughput_h200.md"
+fi
+if has k; then  # KV-cache groups (bench/hybrid.py) and copy-on-write (parallel sampling)
+  run hybrid 420 python bench/hybrid.py --out "$out/hybrid_h200.md"
+  run parallel-sampling 150 python bench/parallel_sampling.py --out "$out/parallel_sampling_h200.md"
 fi
 if has s; then  # the service through its public APIs, each against embedded or gRPC in the same run
   run serve 330 python bench/serve.py --model qwen3-0.6b --device cuda --clients 4 --out "$out/serve_h200.md"

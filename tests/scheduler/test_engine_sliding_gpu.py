@@ -71,3 +71,20 @@ def test_sliding_triton_cascade_batch(sliding):
         outs = llm.generate(prompts, GREEDY)
         assert_matches_hf([o.token_ids for o in outs], ref)
     assert_clean(llm)
+
+
+def test_groups_on_gpu_hold_the_window_only(tmp_path):
+    """KV-cache groups through the Triton kernels and CUDA graphs: the hybrid has a full and
+    a sliding group, and an all-sliding model runs a context longer than its 12-block pool,
+    both as transformers computes them."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 512) for _ in range(400)] for _ in range(2)]
+    for name, windows in (("qwen3-hybrid", (0, 20)), ("mistral-all-sliding", (20,))):
+        family, overrides = TINY_MODELS[name]
+        path = make_tiny_hf_model(str(tmp_path / name), family, **overrides)
+        blocks = 12 * len(windows) if len(windows) == 1 else 128
+        llm = _cuda_llm(path, num_gpu_blocks=blocks, max_num_batched_tokens=32)
+        assert llm.engine.kv.windows == windows
+        outs = llm.generate(prompts, GREEDY)
+        assert_matches_hf([o.token_ids for o in outs], _hf_greedy(path, prompts, MAX_NEW))
+        assert_clean(llm)
