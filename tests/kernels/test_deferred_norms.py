@@ -74,22 +74,22 @@ def test_fold_norm_weights(config, device):
 
 @torch.no_grad()
 def _decode_step(model, device, deferred: bool) -> torch.Tensor:
-    """One decode step of NUM_SEQS sequences over 20 tokens each of (random) cache; its hidden
-    states."""
+    """One decode step of NUM_SEQS sequences over 10 tokens each of (random) cache, one block
+    a sequence (one decode split); its hidden states."""
     model.model.norms_folded = deferred
     sim = PagedSim(
         model.config.num_hidden_layers,
         model.config.num_key_value_heads,
         model.config.head_dim,
-        num_blocks=2 * NUM_SEQS + 4,
+        num_blocks=NUM_SEQS + 4,
         block_size=16,
         dtype=torch.bfloat16,
         device=str(device),
         seed=1,
     )
     for i in range(NUM_SEQS):
-        sim.block_tables[i] = [sim.free_blocks.pop(), sim.free_blocks.pop()]
-        sim.seq_lens[i] = 20
+        sim.block_tables[i] = [sim.free_blocks.pop()]
+        sim.seq_lens[i] = 10
     tokens = torch.randint(3, model.config.vocab_size, (NUM_SEQS,), generator=torch.Generator().manual_seed(5)).tolist()
     ids, positions, attn = sim.step([(i, [t]) for i, t in enumerate(tokens)])
     return model(ids, positions, sim.kv_caches, attn)

@@ -19,7 +19,7 @@ from kernels.reference import paged_decode_attention_ref, paged_prefill_attentio
 from kernels.triton_ops import DecodeConfig, PrefillConfig, decode_with_config, prefill_with_config
 from tests.kernels.test_kernels import assert_matches, make_paged_kv, make_query, nan_like
 
-WINDOWS = [1, 5, 16, 37, 500]  # one token, under a page, a page, several pages, past every sequence
+WINDOWS = [1, 5, 37, 500]  # one token, under a page, several pages, past every sequence
 
 
 def release_out_of_window(block_tables, k_cache, first_query_pos: list[int], window: int, block_size: int) -> int:
@@ -103,18 +103,20 @@ def run_windowed_decode(device, dtype, lens, window, block_size=8, heads=(4, 2),
     return released
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("num_splits", [1, 3])
+# (window, splits): 3 splits cut the window into 16-token chunks that cross its lower edge and
+# page edges (37), leave splits unused (5) or cut the whole context (500)
+@pytest.mark.parametrize("window, num_splits", [(1, 1), (5, 3), (37, 1), (37, 3), (500, 3)])
 def test_decode_window_matches_reference(device, window, num_splits):
     released = run_windowed_decode(device, torch.float32, [1, 9, 33, 70, 16], window, num_splits=num_splits)
     assert (released > 0) == (window < 60)  # the short windows really release blocks
 
 
-@pytest.mark.parametrize("window", [5, 37])
-def test_decode_window_bf16_and_gpu_tiles(device, window):
+def test_decode_window_bf16_and_gpu_tiles(device):
+    """A 64-token tile over a window under one tile; more splits than the window has chunks
+    (the unused ones store nothing)."""
     config = DecodeConfig(block_n=64, num_warps=4, num_stages=5)
-    run_windowed_decode(device, torch.bfloat16, [200, 3, 130], window, block_size=16, config=config)
-    run_windowed_decode(device, torch.bfloat16, [200, 3, 130], window, block_size=16, num_splits=64)
+    run_windowed_decode(device, torch.bfloat16, [200, 3, 130], 37, block_size=16, config=config)
+    run_windowed_decode(device, torch.bfloat16, [200, 3, 130], 37, block_size=16, num_splits=8)
 
 
 def run_windowed_prefill(device, dtype, q_lens, cached, window, block_size=8, heads=(4, 2), head_dim=16, **kwargs):
@@ -144,15 +146,15 @@ def test_prefill_window_matches_reference(device, window):
 
 
 @pytest.mark.parametrize(
-    "config",
+    "config, window",
     [
-        PrefillConfig(32, 16, 4, 2),  # more query rows than keys per tile: rows whose window starts later
-        PrefillConfig(16, 32, 4, 2),
-        PrefillConfig(16, 16, 4, 1, pack_gqa=True),
-        PrefillConfig(64, 64, 4, 3, pack_gqa=True),
+        (PrefillConfig(32, 16, 4, 2), 3),  # more query rows than keys per tile: rows whose window starts later
+        (PrefillConfig(32, 16, 4, 2), 20),
+        (PrefillConfig(16, 32, 4, 2), 20),
+        (PrefillConfig(16, 16, 4, 1, pack_gqa=True), 3),
+        (PrefillConfig(64, 64, 4, 3, pack_gqa=True), 20),
     ],
-    ids=["32x16", "16x32", "16x16-packed", "64x64-packed"],
+    ids=["32x16-w3", "32x16-w20", "16x32-w20", "16x16-packed-w3", "64x64-packed-w20"],
 )
-@pytest.mark.parametrize("window", [3, 20])
 def test_prefill_window_tile_configs(device, config, window):
     run_windowed_prefill(device, torch.bfloat16, *PREFILL_WINDOW_BATCH, window, config=config)

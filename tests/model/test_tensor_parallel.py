@@ -1,6 +1,6 @@
-"""Tensor parallelism on the CPU (gloo): greedy output of TP=2 and TP=4 equals TP=1 token for
-token, on the bundled stories260k (8 q heads, 4 KV heads: split) and a random fp32 Qwen3
-(4 q heads, 2 KV heads: replicated at TP=4), with prefix caching, swap preemption and
+"""Tensor parallelism on the CPU (gloo): greedy output equals TP=1 token for token, on the
+bundled stories260k at TP=2 (8 q heads, 4 KV heads: split) and a random fp32 Qwen3 at TP=4
+(4 q heads, 2 KV heads: replicated), with prefix caching, swap preemption and
 overlapped scheduling (placeholder tokens) on; the checkpoint slicing and the config checks;
 a rank killed with SIGKILL fails the embedded engine with a clear error, and closing the
 runner stops every rank."""
@@ -64,12 +64,17 @@ def model_and_reference(request, tmp_path_factory):
     prompts = _prompts(seed=len(request.param))
     ref, llm = _run(model, prompts, 1)
     llm.engine.model.close()
-    return model, prompts, ref
+    return request.param, model, prompts, ref
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_greedy_equals_single_rank_then_close_stops_every_rank(model_and_reference, tp):
-    model, prompts, ref = model_and_reference
+# Each model at the size that shows its layout: the bundled one's KV heads split over 2 ranks,
+# the Qwen3's 2 KV heads replicated over 4 (kv_heads_of_rank's other layouts: below).
+TP_OF = {"bundled": 2, "qwen3": 4}
+
+
+def test_greedy_equals_single_rank_then_close_stops_every_rank(model_and_reference):
+    name, model, prompts, ref = model_and_reference
+    tp = TP_OF[name]
     got, llm = _run(model, prompts, tp)
     runner = llm.engine.model
     pids = runner.tp.rank_pids
