@@ -48,6 +48,15 @@ def _runs(values: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def last_per_destination(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """A copy list as one indexed copy may apply it: where a destination repeats (a block that
+    a step's list fills, then frees and hands out again, e.g. a sliding group's block released
+    right after its swap-in), only its last copy, the one that counts. An index_copy_ with a
+    repeated index keeps an arbitrary one of them on CUDA."""
+    last = {dst: src for src, dst in pairs}
+    return pairs if len(last) == len(pairs) else [(src, dst) for dst, src in last.items()]
+
+
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
     """A block-id list on the device (on CUDA without waiting for the device)."""
     return to_device(values, torch.long, device, device.type == "cuda")
@@ -100,6 +109,7 @@ class KVCachePools:
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host blocks -> device blocks."""
         dev = self.device_cache.device
+        pairs = last_per_destination(pairs)
         for start in range(0, len(pairs), SWAP_CHUNK_BLOCKS):
             chunk = pairs[start : start + SWAP_CHUNK_BLOCKS]
             staged = torch.empty((len(chunk), *self.host_cache.shape[1:]), dtype=self.host_cache.dtype, device=dev)
@@ -113,6 +123,7 @@ class KVCachePools:
         if not pairs:
             return
         dev = self.device_cache.device
+        pairs = last_per_destination(pairs)
         src, dst = _index([s for s, _ in pairs], dev), _index([d for _, d in pairs], dev)
         self.device_cache.index_copy_(2, dst, self.device_cache.index_select(2, src))
 

@@ -77,3 +77,16 @@ def test_swaps_on_cuda_are_ordered_with_the_stream():
     pools.swap_in([(3, 9), (4, 10), (0, 11)])
     torch.cuda.synchronize()
     assert torch.equal(pools.device_cache[:, :, [9, 10, 11]], before[:, :, [2, 3, 7]])
+
+
+def test_a_repeated_destination_takes_its_last_copy():
+    """A step's swap-in list may fill a block, then (the block freed and handed out again in
+    the same schedule) fill it once more: the last copy is the one that holds. One indexed
+    copy with a repeated index keeps an arbitrary one on CUDA, so the list is reduced first."""
+    assert kv_cache.last_per_destination([(1, 5), (2, 6), (3, 5)]) == [(3, 5), (2, 6)]
+    pairs = [(0, 1), (4, 2)]
+    assert kv_cache.last_per_destination(pairs) is pairs
+    pools = make_pools()
+    pools.swap_in([(2, 7), (3, 8), (5, 7)])
+    assert torch.equal(device_block(pools, 7), pools.host_cache[5].cpu())
+    assert torch.equal(device_block(pools, 8), pools.host_cache[3].cpu())
