@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -96,11 +96,12 @@ async def serve(
     credentials: Credentials | None = None,
     sock: socket.socket | None = None,
     first: bool = True,
+    on_ready: Callable[[], object] | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT. sock: a listening socket to serve on (a worker's, shared;
     http_svc.workers), else this binds its own. first: answer 503 while starting and print the
-    readiness line; a later worker instead takes no connection before it is ready, so that
-    the workers already up answer them."""
+    readiness line (then call on_ready); a later worker instead takes no connection before it
+    is ready, so that the workers already up answer them."""
     h = config.http
     creds = credentials or Credentials()
     if h.chat_template is not None:  # unreadable: one line now, not a failure later
@@ -136,6 +137,8 @@ async def serve(
         if ready.done() and ready.exception() is None:
             if first:
                 announce(f"http gateway ready: {url(h.host, port)} (OpenAI-compatible API, model {backend.model_name})")
+                if on_ready is not None:
+                    on_ready()
         elif ready.done():  # the tokenizer did not load: nothing to serve
             server.should_exit = True
             await serving

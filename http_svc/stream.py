@@ -84,17 +84,33 @@ async def _disconnected(request: Request) -> None:
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """`work`'s result, or ClientGone (with `work` cancelled) when the client leaves first."""
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+    """`work`'s result, or ClientGone (with `work` cancelled) when the client leaves first.
+    `work` runs in the calling task, with one watcher task beside it that cancels it on a
+    disconnect: no task switch between the result and its caller (the first token's path)."""
+    task = asyncio.current_task()
+    assert task is not None, "called from a task"
+    watch = asyncio.ensure_future(_disconnected(request))
+    gone = False
+
+    def on_gone(done: asyncio.Future) -> None:
+        nonlocal gone
+        if not done.cancelled() and done.exception() is None:
+            gone = True
+            task.cancel()
+
+    watch.add_done_callback(on_gone)
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ClientGone()
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        uncancel = getattr(task, "uncancel", None)  # Python 3.11+: the cancel was ours, and is handled
+        if uncancel is not None:
+            uncancel()
+        raise ClientGone() from None
     finally:
-        for t in (task, watch):
-            t.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
+        watch.remove_done_callback(on_gone)
+        watch.cancel()
 
 
 async def first_then_rest(request: Request, messages: AsyncIterator[Tagged]) -> AsyncIterator[Tagged]:

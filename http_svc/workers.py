@@ -45,9 +45,16 @@ def run(config: Any, creds: Any) -> int:
         if workers == 1:
             asyncio.run(serve(config, creds, sock))
             return 0
-        pids = []
-        for i in range(workers):  # the first answers 503 while starting; the others wait until ready
-            pids.append(_fork(lambda first=i == 0: asyncio.run(serve(config, creds, sock, first=first))))
+        # The first answers 503 while starting; the others are forked once it is ready (so that
+        # no connection reaches a worker still starting once one has said ready) and take
+        # connections from when they are ready themselves.
+        ready_r, ready_w = os.pipe()
+        pids = [_fork(lambda: asyncio.run(serve(config, creds, sock, on_ready=lambda: os.write(ready_w, b"1"))))]
+        os.close(ready_w)
+        started = os.read(ready_r, 1)  # b"": the first worker ended before it was ready
+        os.close(ready_r)
+        if started:
+            pids += [_fork(lambda: asyncio.run(serve(config, creds, sock, first=False))) for _ in range(workers - 1)]
         return _supervise(pids)
     finally:
         if metrics_dir is not None:
