@@ -7,14 +7,16 @@ the gRPC call it makes, the SSE event) plus the HTTP client's, and no model time
 
 Three processes: the stand-in scheduler (grpc.aio: GetModelInfo, and Generate streaming
 `--tokens` messages of one token each), one gateway (http_svc.app under uvicorn, as `serve
-http` runs it, one worker) and the client (bench.serve_clients: one request at a time, each
-path in turn, a warm-up first).
+http` runs it, one worker) and the client, one request at a time, each path in turn after a
+warm-up: gRPC and httpx through bench.serve_clients, and HTTP/1.1 written by hand (the
+gateway's share without a client library's).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import socket
 import sys
@@ -23,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.serve_clients import Job, run_clients, summarize  # noqa: E402
+from bench.serve_clients import Job, Record, run_clients, summarize  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parent.parent / "model_svc" / "bundled" / "stories260k"
 MODEL = "stories260k"
@@ -97,6 +99,57 @@ def _wait_http(url: str, timeout: float = 60.0) -> None:
     raise RuntimeError(f"the gateway at {url} did not come up")
 
 
+async def _raw_one(reader, writer, port: int, job: Job) -> Record:
+    """One streamed completion over a kept-alive connection, HTTP/1.1 written and read by hand
+    (chunked SSE): the gateway's cost without an HTTP client library's."""
+    record = Record(job.index, time.monotonic())
+    body = json.dumps(
+        {"model": MODEL, "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0.0, "stream": True}
+    ).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+    writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    status = await reader.readline()
+    while (await reader.readline()) not in (b"\r\n", b""):
+        pass  # the headers
+    if b" 200 " not in status:
+        record.error = status.decode().strip()
+        return record
+    while True:
+        line = await reader.readline()
+        if line.startswith(b"data: [DONE]"):
+            break
+        if line.startswith(b"data: "):
+            record.arrivals.append(time.monotonic())
+            record.counts.append(1)
+    while (await reader.readline()) != b"0\r\n":  # the last chunk, then its blank line
+        pass
+    await reader.readline()
+    record.completion_tokens = len(record.counts)
+    return record
+
+
+def _raw_client(port: int, jobs: list[Job], conn) -> None:
+    async def main() -> list[Record]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return [await _raw_one(reader, writer, port, job) for job in jobs]
+        finally:
+            writer.close()
+
+    conn.send(asyncio.run(main()))
+    conn.close()
+
+
+def run_raw(port: int, jobs: list[Job]) -> list[Record]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_raw_client, args=(port, jobs, child), daemon=True)
+    p.start()
+    records = parent.recv()
+    p.join(30)
+    return records
+
+
 def measure(args: argparse.Namespace) -> dict[str, dict]:
     ctx = mp.get_context("spawn")
     sched_port, http_port = _free_port(), _free_port()
@@ -115,10 +168,12 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
         ]
         for target in targets.values():
             run_clients(target, jobs[:20], 1, sequential=True)  # warm-up
-        runs: dict[str, list[dict]] = {k: [] for k in targets}
+        run_raw(http_port, jobs[:20])
+        runs: dict[str, list[dict]] = {k: [] for k in [*targets, "http-raw"]}
         for _ in range(args.repeats):
             for kind, target in targets.items():
                 runs[kind].append(summarize(run_clients(target, jobs, 1, sequential=True)))
+            runs["http-raw"].append(summarize(run_raw(http_port, jobs)))
         return {kind: sorted(r, key=lambda s: s["ttft_p50"])[len(r) // 2] for kind, r in runs.items()}
     finally:
         for p in procs:
@@ -139,8 +194,15 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
             f"| {kind} | {s['ttft_p50'] * 1e3:.3f} | {s['ttft_p99'] * 1e3:.3f} | {s['itl_p50'] * 1e3:.3f} "
             f"| {len(s['errors'])} |"
         )
-    overhead = (results["http"]["ttft_p50"] - results["grpc"]["ttft_p50"]) * 1e3
-    lines += ["", f"gateway TTFT p50 overhead: {overhead:+.3f} ms"]
+    grpc_ttft = results["grpc"]["ttft_p50"]
+    lines += [
+        "",
+        "http: httpx (bench.serve_clients, as bench/http_vs_grpc.py); http-raw: HTTP/1.1 by hand on one "
+        "kept-alive connection, so the gateway's share without the client library's.",
+        "",
+        f"TTFT p50 over gRPC: http {(results['http']['ttft_p50'] - grpc_ttft) * 1e3:+.3f} ms, "
+        f"http-raw {(results['http-raw']['ttft_p50'] - grpc_ttft) * 1e3:+.3f} ms",
+    ]
     return "\n".join(lines)
 
 

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from contracts.auth import TokenAuthInterceptor
-from contracts.errors import ErrorInterceptor, Unauthenticated, error_from_rpc
+from contracts.errors import ErrorInterceptor, FailedPrecondition, Unauthenticated, error_from_rpc
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,9 @@ def call_with_retry(
                     f"PICOVLLM_INTERNAL_TOKEN)"
                 ) from None
             if err.code() not in RETRYABLE:
-                raise (error_from_rpc(err) or RuntimeError(f"{what}: {err.code().name}: {err.details()}")) from None
+                # Unmapped (UNIMPLEMENTED: another service at that address): one line, no traceback.
+                problem = f"{what}: {err.code().name}: {err.details()}"
+                raise (error_from_rpc(err) or FailedPrecondition(problem)) from None
             if time.monotonic() + delay >= retry_until:
                 raise unavailable(f"{what}: {err.code().name}: {err.details()}") from None
         time.sleep(delay)

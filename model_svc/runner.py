@@ -97,24 +97,8 @@ class ModelRunner:
         fused_sample = _fused_sample(self.ops.name)
         self.sampler = Sampler(fused_sample)  # before profiling: the profile runs it
         self.kv_groups = self.config.kv_groups()
-        block_bytes = KVCachePools.bytes_per_block(self.config, block_size, self.dtype, self.kv_groups)
-        if num_device_blocks is None:
-            budget = (device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens, max_num_seqs)
-            num_device_blocks = profile_num_blocks(
-                self.model, self.sampler, self.device, block_size, block_bytes, *budget
-            )
-            if tp is not None:  # every rank holds every block: the pool that fits on each
-                num_device_blocks = tp.agree_min(num_device_blocks)
-        if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
-            num_host_blocks = num_host_blocks(num_device_blocks, block_bytes)
-        self.pools = KVCachePools(
-            self.config, block_size, num_device_blocks, num_host_blocks, self.device, self.dtype, self.kv_groups
-        )
-        # A sliding group holds only its window: a sequence may then outgrow the pool's blocks.
-        slides = all(self.kv_groups.windows)
-        max_len = min(self.config.max_position_embeddings, (1 << 62) if slides else num_device_blocks * block_size)
-        self.max_blocks_per_seq = -(-max_len // block_size)  # logical blocks (table entries per group)
-        self.block_tables = HostBlockTables(self.kv_groups.num_groups * self.max_blocks_per_seq)
+        budget = (device_memory_fraction, cpu_kv_cache_bytes, max_num_batched_tokens, max_num_seqs)
+        self._build_pools(num_device_blocks, num_host_blocks, budget)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # prefill and mixed steps of up to 2,048 tokens
         # Each sequence's latest sampled token on the device, by block-table row: placeholders
@@ -141,9 +125,34 @@ class ModelRunner:
             self.device,
             self.dtype,
             self.ops.name,
-            num_device_blocks,
-            num_host_blocks,
+            self.pools.num_device_blocks,
+            self.pools.num_host_blocks,
         )
+
+    def _build_pools(
+        self,
+        num_device_blocks: int | None,
+        num_host_blocks: int | Callable[[int, int], int],
+        budget: tuple[float, int, int, int],
+    ) -> None:
+        """The KV pools (the device one measured from what is left after a profiling forward
+        under `budget` unless given) and the persistent block tables."""
+        bs = self.block_size
+        block_bytes = KVCachePools.bytes_per_block(self.config, bs, self.dtype, self.kv_groups)
+        if num_device_blocks is None:
+            num_device_blocks = profile_num_blocks(self.model, self.sampler, self.device, bs, block_bytes, *budget)
+            if self.tp is not None:  # every rank holds every block: the pool that fits on each
+                num_device_blocks = self.tp.agree_min(num_device_blocks)
+        if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
+            num_host_blocks = num_host_blocks(num_device_blocks, block_bytes)
+        self.pools = KVCachePools(
+            self.config, bs, num_device_blocks, num_host_blocks, self.device, self.dtype, self.kv_groups
+        )
+        # A sliding group holds only its window: a sequence may then outgrow the pool's blocks.
+        slides = all(self.kv_groups.windows)
+        max_len = min(self.config.max_position_embeddings, (1 << 62) if slides else num_device_blocks * bs)
+        self.max_blocks_per_seq = -(-max_len // bs)  # logical blocks (table entries per group)
+        self.block_tables = HostBlockTables(self.kv_groups.num_groups * self.max_blocks_per_seq)
 
     def _capture_graphs(
         self,

@@ -81,17 +81,8 @@ class LLMEngine:
             tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
         # Service mode passes a KV-cache client with the manager's interface (kvcache_svc.client).
-        self.kv = (
-            kv
-            if kv is not None
-            else KVCacheManager(
-                model.num_device_blocks,
-                model.num_host_blocks,
-                config.block_size,
-                config.enable_prefix_caching,
-                model.kv_group_windows,
-            )
-        )
+        pools = (model.num_device_blocks, model.num_host_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = kv if kv is not None else KVCacheManager(*pools, model.kv_group_windows)
         self.scheduler = Scheduler(SchedulerConfig.of(config, self._max_model_len(model, config)), self.kv)
         self.max_model_len = self.scheduler.config.max_model_len
         self.limits = RequestLimits()  # per-request caps (service mode: the scheduler section's)

@@ -168,7 +168,11 @@ def test_serve_all_stops_when_a_child_fails_at_start_up(tmp_path):
     addr = {"scheduler": f"127.0.0.1:{free_port()}", "kvcache": shared, "model": shared}
     proc, seconds = run_cli("serve", "all", *serve_args(addr, 0))
     assert proc.returncode == 2
-    assert one_line(proc) == f"picovllm: error: cannot listen on {shared}: address already in use"
+    # A slow machine may let the scheduler reach the service that did bind (the wrong one for
+    # it) before serve all stops it: its own one-line error may come too, never a traceback.
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr and all(line.startswith("picovllm: error: ") for line in lines), lines
+    assert f"picovllm: error: cannot listen on {shared}: address already in use" in lines
     # The child's own start (imports, torch) is in this time, on a machine shared with other
     # tests; serve all itself notices the exit within a fraction of a second.
     assert seconds < 30
