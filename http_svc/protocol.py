@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 INT32_MAX = (1 << 31) - 1
 INT64 = (-(1 << 63), (1 << 63) - 1)
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs; the scheduler has its own (max_logprobs)
-TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
+# Strict: a JSON string is never read as a token id (["5"] is a list of texts).
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX), Strict()]], Field(min_length=1)]
 
 
 class OpenAIBody(BaseModel):
@@ -64,7 +65,12 @@ class CompletionRequest(SamplingFields):
     token-id lists; each prompt gives n choices, completion j of prompt i at index i * n + j
     (as OpenAI and vLLM number them)."""
 
-    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    # Tried in this order, the first that fits wins: token ids before texts, so that a long id
+    # list is not first validated (and failed) as texts, id by id.
+    prompt: Annotated[
+        str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)],
+        Field(union_mode="left_to_right"),
+    ]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)

@@ -57,7 +57,7 @@ async def _run(request: Request, backend: SchedulerBackend, requests: list, body
     messages = stream.merged([backend.generate(r) for r in requests])
     try:
         if body.stream:
-            return stream.event_stream(events(await stream.first_then_rest(request, messages)))
+            return stream.SSEResponse(request, events(await stream.first_then_rest(request, messages)))
         choices = [convert.Choice(i) for i in range(len(requests) * body.n)]
         await stream.until_disconnect(
             request, stream.collect(messages, lambda i, m: choices[i * body.n + m.index].add(m))
