@@ -99,12 +99,19 @@ def _wait_http(url: str, timeout: float = 60.0) -> None:
     raise RuntimeError(f"the gateway at {url} did not come up")
 
 
-async def _raw_one(reader, writer, port: int, job: Job) -> Record:
+async def _raw_one(reader, writer, port: int, model: str, job: Job) -> Record:
     """One streamed completion over a kept-alive connection, HTTP/1.1 written and read by hand
     (chunked SSE): the gateway's cost without an HTTP client library's."""
     record = Record(job.index, time.monotonic())
     body = json.dumps(
-        {"model": MODEL, "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0.0, "stream": True}
+        {
+            "model": model,
+            "prompt": job.prompt,
+            "max_tokens": job.max_tokens,
+            "temperature": job.temperature,
+            "ignore_eos": True,
+            "stream": True,
+        }
     ).encode()
     head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
     writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -128,11 +135,11 @@ async def _raw_one(reader, writer, port: int, job: Job) -> Record:
     return record
 
 
-def _raw_client(port: int, jobs: list[Job], conn) -> None:
+def _raw_client(port: int, model: str, jobs: list[Job], conn) -> None:
     async def main() -> list[Record]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
-            return [await _raw_one(reader, writer, port, job) for job in jobs]
+            return [await _raw_one(reader, writer, port, model, job) for job in jobs]
         finally:
             writer.close()
 
@@ -140,10 +147,11 @@ def _raw_client(port: int, jobs: list[Job], conn) -> None:
     conn.close()
 
 
-def run_raw(port: int, jobs: list[Job]) -> list[Record]:
+def run_raw(port: int, jobs: list[Job], model: str = MODEL) -> list[Record]:
+    """`jobs` one at a time from one client process, HTTP/1.1 by hand (streamed completions)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_raw_client, args=(port, jobs, child), daemon=True)
+    p = ctx.Process(target=_raw_client, args=(port, model, jobs, child), daemon=True)
     p.start()
     records = parent.recv()
     p.join(30)

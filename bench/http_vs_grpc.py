@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.gateway_overhead import run_raw  # noqa: E402
 from bench.serve import _version, free_port, make_jobs, prepare_model  # noqa: E402
 from bench.serve_clients import Job, run_clients, summarize  # noqa: E402
 
@@ -102,17 +103,20 @@ def measure(grpc_addr: str, url: str, args: argparse.Namespace) -> dict[str, dic
         Job(j.index, j.prompt, 16, 0.0)
         for j in make_jobs(args.low_load_requests, args.min_len, args.max_input_len, 16, vocab, 1, 0.0)
     ]
+    port, model = int(url.rsplit(":", 1)[1]), targets["http"].rsplit("/", 1)[1]
     for target in targets.values():  # warm-up: graphs, connections, the gateway's first request
         run_clients(target, jobs[: min(32, len(jobs))], 1)
+    run_raw(port, low[:4], model)
     runs: dict[str, dict[str, list[dict]]] = {
         "throughput": {k: [] for k in targets},
-        "low load": {k: [] for k in targets},
+        "low load": {k: [] for k in [*targets, "http-raw"]},
     }
     for _ in range(args.repeats):
         for kind, target in targets.items():
             runs["throughput"][kind].append(summarize(run_clients(target, jobs, args.clients)))
             runs["low load"][kind].append(summarize(run_clients(target, low, 1, sequential=True)))
             print(f"{kind}: {runs['throughput'][kind][-1]['tok_s']:,.0f} tok/s", file=sys.stderr)
+        runs["low load"]["http-raw"].append(summarize(run_raw(port, low, model)))
     return {case: {kind: _median(r) for kind, r in by_kind.items()} for case, by_kind in runs.items()}
 
 
@@ -127,15 +131,21 @@ def report(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> str
         "| path | output tok/s | output tokens | errors | low load TTFT p50 (ms) | low load TTFT p99 (ms) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for kind in ("grpc", "http"):
-        t, lo = thr[kind], low[kind]
-        lines.append(
-            f"| {kind} | {t['tok_s']:,.0f} | {t['tokens']} | {len(t['errors']) + len(lo['errors'])} | "
-            f"{lo['ttft_p50'] * 1e3:.2f} | {lo['ttft_p99'] * 1e3:.2f} |"
-        )
+    for kind in ("grpc", "http", "http-raw"):
+        t, lo = thr.get(kind), low[kind]
+        tput = f"{t['tok_s']:,.0f} | {t['tokens']}" if t is not None else "- | -"
+        errs = len(lo["errors"]) + (len(t["errors"]) if t is not None else 0)
+        lines.append(f"| {kind} | {tput} | {errs} | {lo['ttft_p50'] * 1e3:.2f} | {lo['ttft_p99'] * 1e3:.2f} |")
     ratio = thr["http"]["tok_s"] / thr["grpc"]["tok_s"]
-    overhead = (low["http"]["ttft_p50"] - low["grpc"]["ttft_p50"]) * 1e3
-    lines += ["", f"HTTP / gRPC throughput: {ratio:.1%}; HTTP TTFT p50 overhead at low load: {overhead:+.2f} ms"]
+    over = {k: (low[k]["ttft_p50"] - low["grpc"]["ttft_p50"]) * 1e3 for k in ("http", "http-raw")}
+    lines += [
+        "",
+        "http: the httpx client (bench.serve_clients); http-raw: HTTP/1.1 written by hand on one kept-alive "
+        "connection (bench.gateway_overhead), the gateway's cost without the client library's.",
+        "",
+        f"HTTP / gRPC throughput: {ratio:.1%}; HTTP TTFT p50 overhead at low load: {over['http-raw']:+.2f} ms "
+        f"(http-raw), {over['http']:+.2f} ms (httpx)",
+    ]
     errors = [e for case in results.values() for r in case.values() for e in r["errors"]]
     if errors:
         lines.append(f"errors ({len(errors)}): {errors[:3]}")
