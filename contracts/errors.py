@@ -52,6 +52,11 @@ class FailedPrecondition(PicoError):
     pass
 
 
+class PeerError(PicoError, RuntimeError):
+    """A peer answered with a status no domain error stands for (UNIMPLEMENTED: another
+    service at that address; INTERNAL): said in one line where a service starts."""
+
+
 class Unauthenticated(PicoError):
     """A peer refused this process's credentials (its internal token differs). Not mapped to
     a status of its own: a public caller whose request it stops gets INTERNAL, not a hint

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from contracts.auth import TokenAuthInterceptor
-from contracts.errors import ErrorInterceptor, FailedPrecondition, Unauthenticated, error_from_rpc
+from contracts.errors import ErrorInterceptor, PeerError, Unauthenticated, error_from_rpc
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ def call_with_retry(
             if err.code() not in RETRYABLE:
                 # Unmapped (UNIMPLEMENTED: another service at that address): one line, no traceback.
                 problem = f"{what}: {err.code().name}: {err.details()}"
-                raise (error_from_rpc(err) or FailedPrecondition(problem)) from None
+                raise (error_from_rpc(err) or PeerError(problem)) from None
             if time.monotonic() + delay >= retry_until:
                 raise unavailable(f"{what}: {err.code().name}: {err.details()}") from None
         time.sleep(delay)
