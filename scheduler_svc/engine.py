@@ -206,9 +206,10 @@ class LLMEngine:
         self._failing = sched
         result = self.model.step(inp)
         self._failing = None
-        outputs = self._process(sched, result)
-        self.scheduler.update(sched)  # after the tokens fed by multi-step sub-steps are appended
-        return outputs
+        # The step's computed tokens and full blocks first (as overlapped scheduling does at
+        # launch): a request that the results finish still registers the prompt it computed.
+        self.scheduler.update(sched)
+        return self._process(sched, result)
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """One turn of the pipeline: queue step k on the device, then, while it runs, read

@@ -173,9 +173,10 @@ class ServiceEngine(LLMEngine):
             return self._contain(exc)
         self._pending, self._result, self.unavailable = None, None, None
         self.num_steps += 1
-        outputs = self._process(sched, result)
-        self.scheduler.update(sched)  # after the tokens of multi-step sub-steps are appended
-        return outputs
+        # The step's computed tokens and full blocks first (as overlapped scheduling does at
+        # launch): a request that the results finish still registers the prompt it computed.
+        self.scheduler.update(sched)
+        return self._process(sched, result)
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """The embedded engine's overlapped step (LLMEngine._step_overlapped) over the remote

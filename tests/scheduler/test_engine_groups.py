@@ -1,7 +1,8 @@
 """KV-cache groups on real engine runs: a sliding-window group holds only its window's blocks,
 so a hybrid model needs less KV memory than the same weights with every layer full, and an
 all-sliding model serves a context longer than its whole device pool, token for token as
-transformers does."""
+transformers does. And what the prefix cache registers when a request ends in the step that
+computed its prompt."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import random
 import pytest
 
 from model_svc.kv_cache import KVCachePools
+from model_svc.loader import BUNDLED_MODEL_DIR
 from scheduler_svc import LLM, SamplingParams
 from tests.model.tiny_models import make_tiny_hf_model
 from tests.scheduler.test_engine_parity import _hf_greedy, assert_clean, assert_matches_hf
@@ -71,4 +73,17 @@ def test_all_sliding_context_longer_than_the_pool(tmp_path, overlap):
     outs = llm.generate(prompts, GREEDY)
     assert len(prompts[0]) + len(outs[0].token_ids) > 12 * BS
     assert_matches_hf([o.token_ids for o in outs], _hf_greedy(str(path), prompts, 40))
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_a_request_that_ends_in_its_prefill_step_registers_its_prompt(overlap):
+    """max_tokens=1: the request finishes with the step that computed its prompt; its full
+    prompt blocks still go into the prefix cache, so the same prompt again hits them all."""
+    llm = LLM(str(BUNDLED_MODEL_DIR), num_gpu_blocks=64, async_scheduling=overlap)
+    prompt = list(range(5, 5 + 70))
+    one = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([prompt], one)
+    again = llm.generate([prompt], one)[0]
+    assert again.num_cached_tokens == (len(prompt) - 1) // BS * BS
     assert_clean(llm)
