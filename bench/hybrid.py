@@ -58,7 +58,7 @@ def run(args, model: str, context: int) -> dict:
     sync = device_sync(args.device)
     sync()
     start = time.perf_counter()
-    # Two tokens: a request that ends in its prefill step is freed before its blocks register.
+    # The prompts prefilled (two tokens out), which puts their blocks in the prefix cache.
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     sync()
     prefill_s = time.perf_counter() - start
