@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.serve_clients import Job, Record, run_clients, summarize  # noqa: E402
+from bench.serve_clients import Job, Record, completion_body, run_clients, summarize  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parent.parent / "model_svc" / "bundled" / "stories260k"
 MODEL = "stories260k"
@@ -103,16 +103,7 @@ async def _raw_one(reader, writer, port: int, model: str, job: Job) -> Record:
     """One streamed completion over a kept-alive connection, HTTP/1.1 written and read by hand
     (chunked SSE): the gateway's cost without an HTTP client library's."""
     record = Record(job.index, time.monotonic())
-    body = json.dumps(
-        {
-            "model": model,
-            "prompt": job.prompt,
-            "max_tokens": job.max_tokens,
-            "temperature": job.temperature,
-            "ignore_eos": True,
-            "stream": True,
-        }
-    ).encode()
+    body = json.dumps(completion_body(model, job, include_usage=False)).encode()
     head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
     writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
     status = await reader.readline()

@@ -64,9 +64,8 @@ async def _one(stub, pb, job: Job, timeout: float) -> Record:
     return record
 
 
-async def _one_http(client, model: str, job: Job, timeout: float) -> Record:
-    """One streamed `/v1/completions` (token-id prompt): a message is an SSE chunk with text;
-    its token count is not on the wire, so each counts one and the total is the usage's."""
+def completion_body(model: str, job: Job, include_usage: bool) -> dict:
+    """The streamed `/v1/completions` request of a job (token-id prompt, ignore_eos)."""
     body = {
         "model": model,
         "prompt": job.prompt,
@@ -74,8 +73,14 @@ async def _one_http(client, model: str, job: Job, timeout: float) -> Record:
         "temperature": job.temperature,
         "ignore_eos": True,
         "stream": True,
-        "stream_options": {"include_usage": True},
     }
+    return {**body, "stream_options": {"include_usage": True}} if include_usage else body
+
+
+async def _one_http(client, model: str, job: Job, timeout: float) -> Record:
+    """One streamed `/v1/completions` (token-id prompt): a message is an SSE chunk with text;
+    its token count is not on the wire, so each counts one and the total is the usage's."""
+    body = completion_body(model, job, include_usage=True)
     record = Record(job.index, time.monotonic())
     try:
         async with client.stream("POST", "/v1/completions", json=body, timeout=timeout) as reply:
