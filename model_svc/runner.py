@@ -279,7 +279,8 @@ class ModelRunner:
         n = len(seqs)
         if g is None or self._staging is None or n > g.max_batch or self._last_token is not g.last_token:
             return None
-        if tables.shape[1] > g.max_blocks or any(len(s.token_ids) != 1 or not s.sample for s in seqs):
+        width = tables.shape[1] // self.kv_groups.num_groups  # the tables are group-major: G tables of width
+        if width > g.max_blocks or any(len(s.token_ids) != 1 or not s.sample for s in seqs):
             return None
         self._rows = g.rows[:n]
         sampling = None
