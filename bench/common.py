@@ -273,3 +273,53 @@ def percentile(values: list[float], q: float) -> float:
 def device_sync(device: str | torch.device):
     """A callable that waits for the device's queued work (a no-op off CUDA), for timing."""
     return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
+class RunCounters:
+    """What a run did besides the workload, for telling a slow run from a fast one: device and
+    pinned-host allocator calls, allocator retries (each frees the cache: a device sync),
+    Triton compiles and full garbage collections in this process."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+        self.compiled: list[str] = []
+        try:
+            from triton import knobs
+
+            previous = knobs.runtime.jit_post_compile_hook
+
+            def hook(*args, **kwargs):
+                self.compiles += 1
+                self.compiled.append(str(kwargs.get("repr", "?"))[:160])
+                return previous(*args, **kwargs) if previous else None
+
+            knobs.runtime.jit_post_compile_hook = hook
+        except Exception:  # noqa: BLE001 - no Triton, or another version's knobs
+            pass
+
+    def snapshot(self) -> dict[str, int]:
+        import gc
+
+        out = {"triton compiles": self.compiles, "full gc": gc.get_stats()[2]["collections"]}
+        if torch.cuda.is_available():
+            dev = torch.cuda.memory_stats()
+            out.update(
+                {
+                    "cudaMalloc": dev.get("num_device_alloc", 0),
+                    "cudaFree": dev.get("num_device_free", 0),
+                    "alloc retries": dev.get("num_alloc_retries", 0),
+                }
+            )
+            host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+            out.update({"cudaHostAlloc": host.get("num_host_alloc", 0), "cudaFreeHost": host.get("num_host_free", 0)})
+        return out
+
+    @staticmethod
+    def delta(before: dict[str, int], after: dict[str, int]) -> str:
+        return RunCounters.total([{k: after[k] - before[k] for k in after}])
+
+    @staticmethod
+    def total(deltas) -> str:
+        """Counter changes (dicts of name -> count) summed, as text."""
+        deltas = list(deltas)
+        return ", ".join(f"{k} {sum(d[k] for d in deltas)}" for k in deltas[0]) if deltas else ""

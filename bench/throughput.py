@@ -28,7 +28,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import copy_bandwidth, device_sync, environment, make_llm, matmul_flops, write_result  # noqa: E402
+from bench.common import (  # noqa: E402
+    RunCounters,
+    copy_bandwidth,
+    device_sync,
+    environment,
+    make_llm,
+    matmul_flops,
+    write_result,
+)
 from bench.throughput_user_path import user_path_row, user_path_run  # noqa: E402
 from contracts import phase_times  # noqa: E402
 from scheduler_svc.cli_args import HelpFormatter  # noqa: E402
@@ -175,56 +183,6 @@ def timed_generate(
     return seconds, sum(len(o.token_ids) for o in outs), stats.num_steps - steps, stats.num_preemptions - preemptions
 
 
-class RunCounters:
-    """What a run did besides the workload, for telling a slow run from a fast one: device and
-    pinned-host allocator calls, allocator retries (each frees the cache: a device sync),
-    Triton compiles and full garbage collections in this process."""
-
-    def __init__(self) -> None:
-        self.compiles = 0
-        self.compiled: list[str] = []
-        try:
-            from triton import knobs
-
-            previous = knobs.runtime.jit_post_compile_hook
-
-            def hook(*args, **kwargs):
-                self.compiles += 1
-                self.compiled.append(str(kwargs.get("repr", "?"))[:160])
-                return previous(*args, **kwargs) if previous else None
-
-            knobs.runtime.jit_post_compile_hook = hook
-        except Exception:  # noqa: BLE001 - no Triton, or another version's knobs
-            pass
-
-    def snapshot(self) -> dict[str, int]:
-        import gc
-
-        out = {"triton compiles": self.compiles, "full gc": gc.get_stats()[2]["collections"]}
-        if torch.cuda.is_available():
-            dev = torch.cuda.memory_stats()
-            out.update(
-                {
-                    "cudaMalloc": dev.get("num_device_alloc", 0),
-                    "cudaFree": dev.get("num_device_free", 0),
-                    "alloc retries": dev.get("num_alloc_retries", 0),
-                }
-            )
-            host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-            out.update({"cudaHostAlloc": host.get("num_host_alloc", 0), "cudaFreeHost": host.get("num_host_free", 0)})
-        return out
-
-    @staticmethod
-    def delta(before: dict[str, int], after: dict[str, int]) -> str:
-        return RunCounters.total([{k: after[k] - before[k] for k in after}])
-
-    @staticmethod
-    def total(deltas) -> str:
-        """Counter changes (dicts of name -> count) summed, as text."""
-        deltas = list(deltas)
-        return ", ".join(f"{k} {sum(d[k] for d in deltas)}" for k in deltas[0]) if deltas else ""
-
-
 class _Help(argparse.RawDescriptionHelpFormatter, HelpFormatter):
     """The docstring as written, and each flag's default (as picovllm's own help)."""
 
@@ -299,9 +257,10 @@ def parse_args() -> argparse.Namespace:
         help="first time the user path: LLM(model=dir) with defaults and the real tokenizer, in a fresh process",
     )
     ap.add_argument(
-        "--user-path-skip-tokenizer",
-        action="store_true",
-        help="then the user path again with skip_tokenizer_init=True (what detokenization costs there)",
+        "--user-path-tokenizers",
+        default="qwen2",
+        help="the user path's runs, comma-separated, in order: qwen2 (the directory's), none "
+        "(skip_tokenizer_init=True: what detokenization costs), bytes (a slow byte-level tokenizer)",
     )
     ap.add_argument("--out", default=None, help="write a markdown result here (default: print only)")
     return ap.parse_args()
@@ -375,9 +334,8 @@ def main() -> None:
     if dev.type == "cpu":
         torch.set_num_threads(1)  # as the model service runs on the CPU: a like-for-like comparison
     prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)
-    user = [user_path_run(args.model, args.num_seqs, args.max_len)] if args.user_path else []
-    if args.user_path and args.user_path_skip_tokenizer:
-        user.append(user_path_run(args.model, args.num_seqs, args.max_len, skip_tokenizer_init=True))
+    user_tokenizers = args.user_path_tokenizers.split(",") if args.user_path else []
+    user = [user_path_run(args.model, args.num_seqs, args.max_len, name) for name in user_tokenizers]
     parity = []
     if args.check:
         from bench.parity import check_parity
@@ -423,7 +381,7 @@ def main() -> None:
     lines = [
         "| mode | output tokens | seconds | tok/s | roofline tok/s | fraction | steps | preemptions |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        *(user_path_row(run, roof, skip_tokenizer_init=i == 1) for i, run in enumerate(user)),
+        *(user_path_row(run, roof, name) for name, run in zip(user_tokenizers, user)),
         f"| embedded, in-memory model, no tokenizer | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} "
         f"| {tok_s / roof:.1%} | {embedded_steps} | {embedded_preemptions} |",
         *extra_rows,

@@ -83,7 +83,7 @@ if has g; then  # the rest of a session's figures: batch-1 latency, swap, prefix
   run prefix 120 python bench/prefix.py --out "$out/prefix_h200.md"
 fi
 if has u; then  # the user path first, as bench/throughput.py reports it; detokenization on the host
-  run throughput-user-path 420 python bench/throughput.py --user-path-skip-tokenizer --out "$out/throughput_user_path_h200.md"
+  run throughput-user-path 420 python bench/throughput.py --user-path-tokenizers qwen2,none,bytes --out "$out/throughput_user_path_h200.md"
   run detok 120 python bench/detok.py --out "$out/detok_h200_host.md"
 fi
 if has h; then  # GPU tests and the headline alone

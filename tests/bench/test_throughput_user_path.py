@@ -26,9 +26,12 @@ def test_user_path_generates_the_workload_through_llm_defaults():
     assert steps >= max(p.max_tokens for p in params) and preemptions == 0
     row = user_path_row((seconds, num_out, steps, preemptions), 2 * num_out / seconds)
     assert row.startswith("| user path: LLM(model=dir), defaults") and f"| {num_out} |" in row and "| 50.0% |" in row
-    skipped = user_path_run("tiny", 3, 120, skip_tokenizer_init=True)
+    skipped = user_path_run("tiny", 3, 120, tokenizer="none")
     assert skipped[1] == num_out
-    assert "skip_tokenizer_init=True" in user_path_row(skipped, float("nan"), skip_tokenizer_init=True)
+    assert "skip_tokenizer_init=True" in user_path_row(skipped, float("nan"), "none")
+    byte_level = user_path_run("tiny", 3, 120, tokenizer="bytes")
+    assert byte_level[1] == num_out
+    assert "byte-level" in user_path_row(byte_level, float("nan"), "bytes")
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,156 @@
+"""Start-up to first token: `LLM(model=dir)` with every default in a fresh process, as a user
+starts it, and where the time goes.
+
+Each run is a new process (spawned, so the interpreter's start and the imports count). It
+times the phases of `LLM()` by wrapping the runner's start-up steps in that process only
+(product code unchanged): importing the package (torch, triton, transformers), loading the
+weights onto the device (CUDA's context included), sizing the KV pool (one profiling forward:
+the first kernels' compiles), capturing the CUDA graphs, compiling the kernels the graphs do
+not run, the rest of `LLM()` (tokenizer, scheduler), and then the first generate (one tiny
+prompt, 1 token). Triton's compiles are counted by its post-compile hook.
+
+Cold: Triton's cache in a fresh empty directory (a new machine, or a new Triton version).
+Warm: the same directory again, as every later start finds it. The weights' files are in the
+OS page cache in both (written just before, as a downloaded model is after its first start).
+
+    python bench/startup.py --model qwen3-0.6b --warm-runs 2 --out bench/results/startup_h200.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import environment, write_result  # noqa: E402
+
+PHASES = (
+    ("import", "import the package (torch, triton, transformers)"),
+    ("load_model", "weights onto the device (CUDA context included)"),
+    ("build_pools", "KV pool sizing (one profiling forward)"),
+    ("capture_graphs", "CUDA graphs (decode buckets, piecewise prefill)"),
+    ("compile_kernels", "kernels the graphs do not run"),
+    ("rest", "the rest of LLM() (tokenizer, scheduler)"),
+    ("first_token", "first generate (tiny prompt, 1 token)"),
+)
+
+
+def _timed(spans: dict[str, float], name: str, fn):
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spans[name] = spans.get(name, 0.0) + time.perf_counter() - t
+
+    return wrapper
+
+
+def _child(model_dir: str, spawned_at: float, conn) -> None:
+    """One start in this fresh process: phase seconds, Triton compiles, and the total."""
+    start = time.time()
+    compiles = [0]
+    from triton import knobs
+
+    def hook(*args, **kwargs):
+        compiles[0] += 1
+
+    knobs.runtime.jit_post_compile_hook = hook
+    import model_svc.runner as runner_mod
+    from contracts.sampling_params import SamplingParams
+    from scheduler_svc.llm import LLM
+
+    spans: dict[str, float] = {"import": time.time() - spawned_at}
+    runner_mod.load_model = _timed(spans, "load_model", runner_mod.load_model)
+    runner_mod.compile_kernels = _timed(spans, "compile_kernels", runner_mod.compile_kernels)
+    cls = runner_mod.ModelRunner
+    cls._build_pools = _timed(spans, "build_pools", cls._build_pools)
+    cls._capture_graphs = _timed(spans, "capture_graphs", cls._capture_graphs)
+    t = time.perf_counter()
+    llm = LLM(model=model_dir)
+    llm_s = time.perf_counter() - t
+    spans["rest"] = llm_s - sum(
+        spans.get(k, 0.0) for k in ("load_model", "build_pools", "capture_graphs", "compile_kernels")
+    )
+    t = time.perf_counter()
+    llm.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    spans["first_token"] = time.perf_counter() - t
+    conn.send(
+        {"spans": spans, "compiles": compiles[0], "total": time.time() - spawned_at, "child_start": start - spawned_at}
+    )
+    conn.close()
+    os._exit(0)  # skip the interpreter's teardown: not part of a start
+
+
+def one_start(model_dir: str, cache_dir: str) -> dict:
+    import multiprocessing as mp
+
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    spawned_at = time.time()
+    proc = ctx.Process(target=_child, args=(model_dir, spawned_at, child))
+    proc.start()
+    child.close()
+    try:
+        return parent.recv()
+    except EOFError:
+        raise SystemExit(f"the start-up run failed (exit {proc.join() or proc.exitcode})") from None
+    finally:
+        proc.join()
+
+
+def table(runs: list[tuple[str, dict]]) -> str:
+    head = "| phase | " + " | ".join(label for label, _ in runs) + " |"
+    lines = [head, "| --- |" + " ---: |" * len(runs)]
+    for key, what in PHASES:
+        lines.append(f"| {key}: {what} | " + " | ".join(f"{r['spans'].get(key, 0.0):.2f}" for _, r in runs) + " |")
+    lines.append(
+        "| **total, spawn to first token (s)** | " + " | ".join(f"**{r['total']:.2f}**" for _, r in runs) + " |"
+    )
+    lines.append("| Triton compiles | " + " | ".join(str(r["compiles"]) for _, r in runs) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model", default="qwen3-0.6b", help="a named config (random weights, Qwen2 tokenizer) or a directory"
+    )
+    ap.add_argument("--warm-runs", type=int, default=2, help="starts with the cache the cold start filled")
+    ap.add_argument("--out", default=None, help="write the result here (markdown)")
+    args = ap.parse_args()
+
+    from bench.serve import prepare_model
+
+    model_dir, tmp = prepare_model(args.model)
+    cache = tempfile.mkdtemp(prefix="picovllm-triton-cache-")
+    runs = [("cold (empty Triton cache)", one_start(model_dir, cache))]
+    print(f"cold: {runs[0][1]['total']:.2f} s", flush=True)
+    for i in range(args.warm_runs):
+        runs.append((f"warm {i + 1}", one_start(model_dir, cache)))
+        print(f"warm {i + 1}: {runs[-1][1]['total']:.2f} s", flush=True)
+    body = table(runs)
+    print(body)
+    if args.out:
+        note = (
+            f"\n\n`LLM(model=dir)` with defaults, model `{args.model}`, each start a fresh spawned process; "
+            "seconds per phase (bench/startup.py's docstring says what each covers).\n"
+        )
+        write_result(args.out, "Start-up to first token", environment(), body + note)
+    for path in (tmp, cache):
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
