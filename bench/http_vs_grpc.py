@@ -113,11 +113,12 @@ def measure(grpc_addr: str, url: str, args: argparse.Namespace) -> dict[str, dic
     }
     for _ in range(args.repeats):
         for kind, target in targets.items():
-            runs["throughput"][kind].append(summarize(run_clients(target, jobs, args.clients)))
+            if args.throughput:
+                runs["throughput"][kind].append(summarize(run_clients(target, jobs, args.clients)))
+                print(f"{kind}: {runs['throughput'][kind][-1]['tok_s']:,.0f} tok/s", file=sys.stderr)
             runs["low load"][kind].append(summarize(run_clients(target, low, 1, sequential=True)))
-            print(f"{kind}: {runs['throughput'][kind][-1]['tok_s']:,.0f} tok/s", file=sys.stderr)
         runs["low load"]["http-raw"].append(summarize(run_raw(port, low, model)))
-    return {case: {kind: _median(r) for kind, r in by_kind.items()} for case, by_kind in runs.items()}
+    return {case: {kind: _median(r) for kind, r in by_kind.items() if r} for case, by_kind in runs.items()}
 
 
 def report(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> str:
@@ -136,14 +137,14 @@ def report(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> str
         tput = f"{t['tok_s']:,.0f} | {t['tokens']}" if t is not None else "- | -"
         errs = len(lo["errors"]) + (len(t["errors"]) if t is not None else 0)
         lines.append(f"| {kind} | {tput} | {errs} | {lo['ttft_p50'] * 1e3:.2f} | {lo['ttft_p99'] * 1e3:.2f} |")
-    ratio = thr["http"]["tok_s"] / thr["grpc"]["tok_s"]
+    ratio = f"{thr['http']['tok_s'] / thr['grpc']['tok_s']:.1%}" if thr else "not run (--no-throughput)"
     over = {k: (low[k]["ttft_p50"] - low["grpc"]["ttft_p50"]) * 1e3 for k in ("http", "http-raw")}
     lines += [
         "",
         "http: the httpx client (bench.serve_clients); http-raw: HTTP/1.1 written by hand on one kept-alive "
         "connection (bench.gateway_overhead), the gateway's cost without the client library's.",
         "",
-        f"HTTP / gRPC throughput: {ratio:.1%}; HTTP TTFT p50 overhead at low load: {over['http-raw']:+.2f} ms "
+        f"HTTP / gRPC throughput: {ratio}; HTTP TTFT p50 overhead at low load: {over['http-raw']:+.2f} ms "
         f"(http-raw), {over['http']:+.2f} ms (httpx)",
     ]
     errors = [e for case in results.values() for r in case.values() for e in r["errors"]]
@@ -175,6 +176,12 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=4, help="client processes of the throughput case (default: 4)")
     p.add_argument("--low-load-requests", type=int, default=16, help="requests of the low-load case (default: 16)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each path (default: 3)")
+    p.add_argument(
+        "--throughput",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the throughput case (--no-throughput: the low-load case alone)",
+    )
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for serve all (default: 900)")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args()
@@ -189,7 +196,7 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     print(text)
     if args.out:
-        command = " ".join(a if not a.startswith("/") else Path(a).name for a in sys.argv[1:])
+        command = " ".join(a if not a.startswith("/") else f"bench/results/{Path(a).name}" for a in sys.argv[1:])
         Path(args.out).write_text(
             f"# HTTP gateway vs gRPC, one `serve all` (bench/http_vs_grpc.py)\n\n"
             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n- versions: {_versions()}\n"

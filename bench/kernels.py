@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import sys
 import time
-import traceback
 from functools import partial
 from pathlib import Path
 
@@ -33,10 +31,25 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 from bench.kernel_baselines import contiguous_kv, flex_paged_decode_fn, sdpa_decode_fn  # noqa: E402
 from bench.kernel_report import render  # noqa: E402
+from bench.kernel_setup import (  # noqa: E402
+    DEVICE,
+    DTYPE,
+    HKV,
+    HQ,
+    KV_LIMIT_BYTES,
+    PAGE,
+    SCALE,
+    D,
+    bench_ms,
+    device_num_sms,
+    measure_ceilings,
+    paged_cache,
+    rel_err,
+    run_section,
+)
 from kernels.reference import (  # noqa: E402
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
@@ -53,12 +66,7 @@ from kernels.triton_ops import (  # noqa: E402
 )
 from kernels.triton_prefill import default_prefill_config  # noqa: E402
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
-DTYPE = torch.bfloat16
-SCALE = 1.0 / math.sqrt(D)
-KV_LIMIT_BYTES = 40e9
 PROMPT, CACHED = 4096, 3072  # prefill: a 4k-token prompt, with 0 and with 3k tokens cached
-DEVICE = "cuda"
 BATCHES = [1, 8, 32, 128, 256]
 LENGTHS = [1024, 8192, 32768]
 DECODE_VARIANTS = [
@@ -77,57 +85,6 @@ PREFILL_VARIANTS = [
     PrefillConfig(64, 64, 4, 3),
     PrefillConfig(64, 64, 4, 5),
 ]
-
-
-def bench_ms(fn, rep: int) -> float:
-    return do_bench(fn, warmup=max(10, rep // 4), rep=rep, return_mode="median")
-
-
-def device_num_sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    return float((out - ref).norm() / ref.norm())
-
-
-# ------------------------------------------------------------------------------ ceilings
-
-
-def measure_ceilings(rep: int) -> dict:
-    nbytes = 2 << 30
-    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=DEVICE)
-    dst = torch.empty_like(src)
-    copy_ms = bench_ms(partial(dst.copy_, src), rep)
-    read_ms = bench_ms(partial(src.sum, dtype=torch.float32), rep)  # read-only, for context
-    del src, dst
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
-    mm_ms = bench_ms(partial(torch.matmul, a, b), rep)
-    del a, b
-    torch.cuda.empty_cache()
-    return {
-        "copy_tbs": 2 * nbytes / copy_ms / 1e9,
-        "read_tbs": nbytes / read_ms / 1e9,
-        "matmul_tflops": 2 * n**3 / mm_ms / 1e9,
-    }
-
-
-# ------------------------------------------------------------------------------ inputs
-
-
-def paged_cache(batch: int, seq_len: int, gen: torch.Generator):
-    """A shuffled pool holding batch sequences of seq_len tokens (random bf16 K/V)."""
-    blocks_per_seq = -(-seq_len // PAGE)
-    num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn((num_blocks, PAGE, HKV, D), dtype=DTYPE, device=DEVICE, generator=gen)
-    v_cache = torch.randn((num_blocks, PAGE, HKV, D), dtype=DTYPE, device=DEVICE, generator=gen)
-    perm = torch.randperm(num_blocks, device=DEVICE, generator=gen)
-    block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
-    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=DEVICE)
-    return k_cache, v_cache, block_tables, seq_lens
 
 
 # ------------------------------------------------------------------------------ sections
@@ -391,18 +348,6 @@ def prefill_table(configs, rep: int, gen, matmul_tflops: float) -> list[dict]:
         del k_cache, v_cache, k_contig, v_contig
         torch.cuda.empty_cache()
     return rows
-
-
-def run_section(name: str, fn, *args, default=None):
-    print(f"== {name}", flush=True)
-    start = time.perf_counter()
-    try:
-        result = fn(*args)
-    except Exception:
-        traceback.print_exc()
-        result = default
-    print(f"== {name}: {time.perf_counter() - start:.1f} s", flush=True)
-    return result
 
 
 def main() -> int:

@@ -19,7 +19,10 @@ OS page cache in both (written just before, as a downloaded model is after its f
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import shutil
 import sys
 import tempfile
@@ -53,9 +56,8 @@ def _timed(spans: dict[str, float], name: str, fn):
     return wrapper
 
 
-def _child(model_dir: str, spawned_at: float, conn) -> None:
+def _child(model_dir: str, spawned_at: float, profile: bool, conn) -> None:
     """One start in this fresh process: phase seconds, Triton compiles, and the total."""
-    start = time.time()
     compiles = [0]
     from triton import knobs
 
@@ -73,30 +75,38 @@ def _child(model_dir: str, spawned_at: float, conn) -> None:
     cls = runner_mod.ModelRunner
     cls._build_pools = _timed(spans, "build_pools", cls._build_pools)
     cls._capture_graphs = _timed(spans, "capture_graphs", cls._capture_graphs)
+    profiler = cProfile.Profile() if profile else None
     t = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     llm = LLM(model=model_dir)
     llm_s = time.perf_counter() - t
+    top = ""
+    if profiler is not None:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        top = text.getvalue()
     spans["rest"] = llm_s - sum(
         spans.get(k, 0.0) for k in ("load_model", "build_pools", "capture_graphs", "compile_kernels")
     )
     t = time.perf_counter()
     llm.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
     spans["first_token"] = time.perf_counter() - t
-    conn.send(
-        {"spans": spans, "compiles": compiles[0], "total": time.time() - spawned_at, "child_start": start - spawned_at}
-    )
+    total = time.time() - spawned_at
+    conn.send({"spans": spans, "compiles": compiles[0], "total": total, "profile": top})
     conn.close()
     os._exit(0)  # skip the interpreter's teardown: not part of a start
 
 
-def one_start(model_dir: str, cache_dir: str) -> dict:
+def one_start(model_dir: str, cache_dir: str, profile: bool = False) -> dict:
     import multiprocessing as mp
 
     os.environ["TRITON_CACHE_DIR"] = cache_dir
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     spawned_at = time.time()
-    proc = ctx.Process(target=_child, args=(model_dir, spawned_at, child))
+    proc = ctx.Process(target=_child, args=(model_dir, spawned_at, profile, child))
     proc.start()
     child.close()
     try:
@@ -127,18 +137,31 @@ def main() -> None:
         "--model", default="qwen3-0.6b", help="a named config (random weights, Qwen2 tokenizer) or a directory"
     )
     ap.add_argument("--warm-runs", type=int, default=2, help="starts with the cache the cold start filled")
+    ap.add_argument("--cold-runs", type=int, default=1, help="starts with an empty Triton cache (0: none)")
+    ap.add_argument(
+        "--triton-cache",
+        default=None,
+        help="the Triton cache directory of the warm starts (default: the one the cold start filled)",
+    )
+    ap.add_argument("--profile", default=None, help="write the last start's cProfile of LLM() (cumulative) here")
     ap.add_argument("--out", default=None, help="write the result here (markdown)")
     args = ap.parse_args()
 
     from bench.serve import prepare_model
 
     model_dir, tmp = prepare_model(args.model)
-    cache = tempfile.mkdtemp(prefix="picovllm-triton-cache-")
-    runs = [("cold (empty Triton cache)", one_start(model_dir, cache))]
-    print(f"cold: {runs[0][1]['total']:.2f} s", flush=True)
+    scratch = tempfile.mkdtemp(prefix="picovllm-triton-cache-")
+    runs = []
+    for i in range(args.cold_runs):
+        runs.append((f"cold {i + 1} (empty Triton cache)", one_start(model_dir, os.path.join(scratch, str(i)))))
+        print(f"cold {i + 1}: {runs[-1][1]['total']:.2f} s", flush=True)
+    cache = args.triton_cache or os.path.join(scratch, str(max(args.cold_runs - 1, 0)))
     for i in range(args.warm_runs):
-        runs.append((f"warm {i + 1}", one_start(model_dir, cache)))
+        last = i == args.warm_runs - 1
+        runs.append((f"warm {i + 1}", one_start(model_dir, cache, profile=bool(args.profile) and last)))
         print(f"warm {i + 1}: {runs[-1][1]['total']:.2f} s", flush=True)
+    if args.profile:
+        Path(args.profile).write_text(runs[-1][1]["profile"])
     body = table(runs)
     print(body)
     if args.out:
@@ -147,7 +170,7 @@ def main() -> None:
             "seconds per phase (bench/startup.py's docstring says what each covers).\n"
         )
         write_result(args.out, "Start-up to first token", environment(), body + note)
-    for path in (tmp, cache):
+    for path in (tmp, scratch):
         if path is not None:
             shutil.rmtree(path, ignore_errors=True)
 

@@ -18,6 +18,7 @@ writes one.
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +123,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     # special_tokens_map.json is the older place for the named tokens; tokenizer_config.json wins.
     config = {**_read_json(directory / "special_tokens_map.json"), **_read_json(directory / "tokenizer_config.json")}
     return Tokenizer(Backend.from_file(str(file)), config, _chat_template(directory, config))
+
+
+def load_tokenizer_soon(path: str | Path) -> Future[Tokenizer]:
+    """load_tokenizer on a thread of its own: the parse of tokenizer.json (Rust) releases the
+    GIL, so it runs beside the caller's own start-up work (loading the model's weights)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    try:
+        return pool.submit(load_tokenizer, path)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with the load

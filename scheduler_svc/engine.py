@@ -28,7 +28,7 @@ from contracts import phase_times
 from contracts.errors import ModelLost, OutOfRange, RequestFailed, failed_seq_id
 from contracts.sampling_params import RequestLimits, SamplingParams
 from contracts.step import StepInput, StepOutput
-from contracts.tokenizer import load_tokenizer
+from contracts.tokenizer import load_tokenizer_soon
 from kvcache_svc import KVCacheManager
 from scheduler_svc.config import EngineConfig
 from scheduler_svc.detokenizer import Detokenizers
@@ -69,6 +69,7 @@ class LLMEngine:
         self, config: EngineConfig, model: ModelClient | None = None, tokenizer=None, model_config=None, kv=None
     ) -> None:
         self.config = config
+        loading = None if tokenizer is not None or config.skip_tokenizer_init else load_tokenizer_soon(config.model)
         if model is None:
             from model_svc.runner_factory import RunnerSettings, build_runner
 
@@ -77,9 +78,7 @@ class LLMEngine:
         # members, and launch() where the engine overlaps steps (checked with hasattr).
         self.model: Any = model
         self.model_config = model_config if model_config is not None else model.config
-        if tokenizer is None and not config.skip_tokenizer_init:
-            tokenizer = load_tokenizer(config.model)
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer = loading.result() if loading is not None else tokenizer
         # Service mode passes a KV-cache client with the manager's interface (kvcache_svc.client).
         pools = (model.num_device_blocks, model.num_host_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = kv if kv is not None else KVCacheManager(*pools, model.kv_group_windows)

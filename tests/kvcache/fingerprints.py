@@ -1,4 +1,4 @@
-"""The randomized driver's independent model of KV contents (tests/kvcache/test_randomized.py):
+"""The randomized driver's independent model of KV contents (tests/kvcache/randomized_driver.py):
 a fingerprint per (salt, token prefix) and its own copy of each sequence."""
 
 from __future__ import annotations
