@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import environment, write_result  # noqa: E402
 
 PHASES = (
-    ("import", "import the package (torch, triton, transformers)"),
+    ("import", "start the interpreter, import the package (torch, triton)"),
     ("load_model", "weights onto the device (CUDA context included)"),
     ("build_pools", "KV pool sizing (one profiling forward)"),
     ("capture_graphs", "CUDA graphs (decode buckets, piecewise prefill)"),

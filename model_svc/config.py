@@ -92,14 +92,15 @@ class ModelConfig:
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model directory {str(path)!r}")
         raw = json.loads(config_file.read_text())
-        _check_family(raw.get("model_type"))
+        family = _check_family(raw.get("model_type"))
         hf_config: Any = raw
-        try:  # the transformers config class fills in its family defaults for absent keys
-            from transformers import AutoConfig
+        if not names_family_defaults(family, raw):
+            try:  # the transformers config class fills in its family defaults for absent keys
+                from transformers import AutoConfig
 
-            hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        except (ImportError, ValueError, KeyError, OSError):  # transformers absent or too old
-            pass
+                hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+            except (ImportError, ValueError, KeyError, OSError):  # transformers absent or too old
+                pass
         extra_eos: list[int] = []
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
@@ -214,6 +215,27 @@ _DEFAULT_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+
+
+# The keys whose default is the family's own (transformers' config classes: Llama's EOS id 2,
+# Qwen3's head_dim 128, Mistral's window 4096, ...). A config.json that names each of them
+# reads the same as a dict as through its config class (tests/model/test_model_config.py), so
+# transformers, whose import takes seconds of a start-up, is needed only when one is absent.
+_FAMILY_DEFAULTED = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "bos_token_id",
+    "eos_token_id",
+)  # fmt: skip
+_FAMILY_DEFAULTED_BY_FAMILY = {"qwen3": ("head_dim",), "mistral": ("sliding_window",)}
+
+
+def names_family_defaults(family: str, raw: dict[str, Any]) -> bool:
+    """Whether config.json `raw` gives every key whose absence the family's config class would
+    fill with a default of its own."""
+    needed = [*_FAMILY_DEFAULTED, *_FAMILY_DEFAULTED_BY_FAMILY.get(family, ())]
+    if family in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        needed.append("sliding_window")
+    return all(key in raw for key in needed) and ("rope_theta" in raw or "rope_parameters" in raw)
 
 
 def _check_family(model_type: Any) -> str:

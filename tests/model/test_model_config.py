@@ -148,3 +148,37 @@ def test_missing_directory_and_files(tmp_path):
         ModelConfig.from_pretrained(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_config_json_reads_as_its_config_class_does(family, tmp_path):
+    """Written by save_pretrained (which leaves out values equal to the base defaults) or in
+    full: from_pretrained gives what transformers' own config class gives."""
+    hf_config = tiny_hf_config(family)
+    full, saved = tmp_path / "full", tmp_path / "saved"
+    full.mkdir()
+    (full / "config.json").write_text(json.dumps(hf_config.to_dict()))
+    hf_config.save_pretrained(saved)
+    for directory in (full, saved):
+        expected = ModelConfig.from_hf_config(transformers.AutoConfig.from_pretrained(directory))
+        assert ModelConfig.from_pretrained(directory) == expected, directory.name
+
+
+def test_a_key_left_to_the_family_default_comes_from_transformers(tmp_path):
+    raw = tiny_hf_config("qwen3").to_dict()
+    del raw["head_dim"]  # Qwen3Config's default is 128, not hidden_size / heads
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert ModelConfig.from_pretrained(tmp_path).head_dim == transformers.Qwen3Config().head_dim == 128
+
+
+def test_a_complete_config_json_does_not_import_transformers():
+    """transformers' import takes seconds of every start-up (bench/results/startup_h200.md)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from model_svc.config import ModelConfig; from model_svc.loader import BUNDLED_MODEL_DIR; "
+        "ModelConfig.from_pretrained(BUNDLED_MODEL_DIR); print('transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"
