@@ -323,3 +323,21 @@ class RunCounters:
         """Counter changes (dicts of name -> count) summed, as text."""
         deltas = list(deltas)
         return ", ".join(f"{k} {sum(d[k] for d in deltas)}" for k in deltas[0]) if deltas else ""
+
+
+def in_fresh_process(what: str, target, *args):
+    """target(*args, conn) in a new spawned process, and what it sends on conn; a child that
+    dies first (a crash, an error) is one line naming `what` and its exit code."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, child))
+    proc.start()
+    child.close()
+    try:
+        return parent.recv()
+    except EOFError:
+        raise SystemExit(f"the {what} failed (exit {proc.join() or proc.exitcode})") from None
+    finally:
+        proc.join()

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import environment, write_result  # noqa: E402
+from bench.common import environment, in_fresh_process, write_result  # noqa: E402
 
 PHASES = (
     ("import", "start the interpreter, import the package (torch, triton)"),
@@ -100,21 +100,8 @@ def _child(model_dir: str, spawned_at: float, profile: bool, conn) -> None:
 
 
 def one_start(model_dir: str, cache_dir: str, profile: bool = False) -> dict:
-    import multiprocessing as mp
-
-    os.environ["TRITON_CACHE_DIR"] = cache_dir
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    spawned_at = time.time()
-    proc = ctx.Process(target=_child, args=(model_dir, spawned_at, profile, child))
-    proc.start()
-    child.close()
-    try:
-        return parent.recv()
-    except EOFError:
-        raise SystemExit(f"the start-up run failed (exit {proc.join() or proc.exitcode})") from None
-    finally:
-        proc.join()
+    os.environ["TRITON_CACHE_DIR"] = cache_dir  # the child's
+    return in_fresh_process("start-up run", _child, model_dir, time.time(), profile)
 
 
 def table(runs: list[tuple[str, dict]]) -> str:

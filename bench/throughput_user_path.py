@@ -48,27 +48,19 @@ def user_path_run(model: str, num_seqs: int, max_len: int, tokenizer: str = "qwe
     directory of random weights with the real Qwen2 tokenizer (bench/serve.py's prepare_model).
     tokenizer: a key of TOKENIZER_ROWS. Returns what timed_generate does: seconds, output
     tokens, steps, preemptions."""
-    import multiprocessing as mp
     import shutil
     import tempfile
 
+    from bench.common import in_fresh_process
     from bench.serve import prepare_model
 
     model_dir, tmp = prepare_model(model)
     scratch = tempfile.mkdtemp(prefix="picovllm-user-path-")
     if tokenizer == "bytes":
         model_dir = _with_byte_level_tokenizer(model_dir, scratch)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_user_path_main, args=(model_dir, num_seqs, max_len, tokenizer, child))
-    proc.start()
-    child.close()
     try:
-        return parent.recv()
-    except EOFError:
-        raise SystemExit(f"the user-path run failed (exit {proc.join() or proc.exitcode})") from None
+        return in_fresh_process("user-path run", _user_path_main, model_dir, num_seqs, max_len, tokenizer)
     finally:
-        proc.join()
         for path in (tmp, scratch):
             if path is not None:
                 shutil.rmtree(path, ignore_errors=True)
