@@ -9,23 +9,14 @@ import sys
 
 import pytest
 
-from scheduler_svc import LLM, AsyncLLM, SamplingParams
+from scheduler_svc import AsyncLLM, SamplingParams
 from scheduler_svc.cli import main as cli_main
+from tests.scheduler.common import assert_clean
 
 STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
     "One day, she saw a big, red ball."
 )
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(num_gpu_blocks=128)
-
-
-def _clean(llm: LLM) -> None:
-    llm.engine.kv.check_invariants()
-    assert llm.engine.kv.all_free_or_cached()
 
 
 # ------------------------------------------------------------------ CLI
@@ -103,7 +94,7 @@ def test_prompt_ids_of_any_integer_type_become_ints(llm):
         req = engine.requests[rid]
         assert req.prompt_token_ids == [5, 6, 7] and all(type(t) is int for t in req.prompt_token_ids)
         engine.abort(rid)
-    _clean(llm)
+    assert_clean(llm)
 
 
 # ------------------------------------------------------------------ stop conditions
@@ -111,7 +102,7 @@ def test_stop_string_truncates_text(llm):
     out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40, stop=["Lily"]))[0]
     assert out.finish_reason == "stop" and out.stop_reason == "Lily"
     assert out.text == ", there was a little girl named "
-    _clean(llm)
+    assert_clean(llm)
 
 
 def test_stop_token_and_length(llm):
@@ -121,7 +112,7 @@ def test_stop_token_and_length(llm):
     out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]))[0]
     first = ref.token_ids.index(stop_id)
     assert out.token_ids == ref.token_ids[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
-    _clean(llm)
+    assert_clean(llm)
 
 
 def test_text_streams_in_deltas_that_add_up(llm):
@@ -146,7 +137,7 @@ def test_abort_frees_blocks(llm):
     assert engine.abort(request_id) is None  # unknown / already done
     while engine.has_unfinished():
         engine.step()
-    _clean(llm)
+    assert_clean(llm)
 
 
 # ------------------------------------------------------------------ streaming API
@@ -174,4 +165,4 @@ def test_async_llm_streams_and_cancel_frees_blocks(llm):
         asyncio.run(run())
     finally:
         async_llm.shutdown()
-    _clean(llm)
+    assert_clean(llm)

@@ -11,23 +11,13 @@ import pytest
 
 from contracts.sampling_params import RequestLimits
 from scheduler_svc import LLM, AsyncLLM, SamplingParams
+from tests.scheduler.common import assert_clean
 
 # 39 tokens: two full blocks and a partial one once the parent has prefilled all but the last.
 PROMPT = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
     "One day, she saw a big"
 )
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(num_gpu_blocks=128)
-
-
-def _clean(llm: LLM) -> None:
-    llm.engine.kv.check_invariants()
-    assert llm.engine.kv.all_free_or_cached()
-    assert not llm.engine.requests and not llm.engine._streams
 
 
 def test_greedy_n4_gives_four_copies_of_n1(llm):
@@ -37,7 +27,7 @@ def test_greedy_n4_gives_four_copies_of_n1(llm):
     assert all(c.token_ids == one.token_ids and c.text == one.text for c in four.outputs)
     assert (four.text, four.token_ids, four.finish_reason) == (one.text, one.token_ids, one.finish_reason)
     assert len(one.outputs) == 1 and one.outputs[0].text == one.text
-    _clean(llm)
+    assert_clean(llm)
 
 
 def test_seeded_n4_repeats_and_children_differ(llm):
@@ -49,7 +39,7 @@ def test_seeded_n4_repeats_and_children_differ(llm):
     # Completion i samples with seed + i: it equals an n = 1 request seeded so.
     alone = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=1236, max_tokens=24))[0]
     assert alone.token_ids == first.outputs[2].token_ids
-    _clean(llm)
+    assert_clean(llm)
 
 
 def _record_steps(engine) -> list:
@@ -109,7 +99,7 @@ def test_children_share_blocks_and_copy_the_partial_block_once_each(llm):
     lasts = [table[partial] for table in tables.values()]
     assert sorted(lasts) == sorted([src] + [dst for _, dst in copies])
     assert all(table[:full] == next(iter(tables.values()))[:full] for table in tables.values())
-    _clean(llm)
+    assert_clean(llm)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -123,7 +113,7 @@ def test_preemption_keeps_greedy_completions(mode):
     )
     assert small.engine.scheduler.stats.num_preemptions > 0
     assert all(c.token_ids == want for c in outs[0].outputs)
-    _clean(small)
+    assert_clean(small)
 
 
 def test_stop_and_length_per_completion(llm):
@@ -136,7 +126,7 @@ def test_stop_and_length_per_completion(llm):
         assert len(c.token_ids) <= 30
         assert (c.finish_reason == "length") == (len(c.token_ids) == 30 and c.stop_reason is None)
     assert len({len(c.token_ids) for c in out.outputs}) > 1  # they end apart
-    _clean(llm)
+    assert_clean(llm)
 
 
 def test_abort_frees_every_child(llm):
@@ -150,7 +140,7 @@ def test_abort_frees_every_child(llm):
     assert engine.kv.device.num_used_blocks == 0
     while engine.has_unfinished():
         engine.step()
-    _clean(llm)
+    assert_clean(llm)
 
 
 def test_abort_before_the_fork(llm):
@@ -160,14 +150,14 @@ def test_abort_before_the_fork(llm):
     assert out is not None and out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * 3
     while engine.has_unfinished():
         engine.step()
-    _clean(llm)
+    assert_clean(llm)
 
 
 def test_one_token_prompt(llm):
     out = llm.generate([[7]], SamplingParams(temperature=0, max_tokens=5, n=3))[0]
     one = llm.generate([[7]], SamplingParams(temperature=0, max_tokens=5))[0]
     assert all(c.token_ids == one.token_ids for c in out.outputs)
-    _clean(llm)
+    assert_clean(llm)
 
 
 def test_async_stream_carries_every_completion(llm):
@@ -187,7 +177,7 @@ def test_async_stream_carries_every_completion(llm):
     texts, last = asyncio.run(run())
     assert last is not None and last.finished
     assert texts == [c.text for c in last.outputs]
-    _clean(llm)
+    assert_clean(llm)
 
 
 def test_request_id_of_a_child_is_taken(llm):
@@ -198,7 +188,7 @@ def test_request_id_of_a_child_is_taken(llm):
     engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    _clean(llm)
+    assert_clean(llm)
 
 
 @pytest.mark.parametrize("kwargs", [dict(n=0), dict(n=-1), dict(n="2"), dict(n=True), dict(n=3, seed=(1 << 63) - 2)])
@@ -222,7 +212,7 @@ def test_n_over_the_limit(llm):
     want = small.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].token_ids
     out = small.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, n=5))[0]
     assert [c.token_ids for c in out.outputs] == [want] * 5
-    _clean(small)
+    assert_clean(small)
 
 
 def test_overlapped_scheduling_penalties_and_logprobs():
@@ -235,4 +225,4 @@ def test_overlapped_scheduling_penalties_and_logprobs():
     out = overlapped.generate(PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=10, n=3, logprobs=2))[0]
     for c in out.outputs:
         assert len(c.logprobs) == 10 and all(t in lp for t, lp in zip(c.token_ids, c.logprobs))
-    _clean(overlapped)
+    assert_clean(overlapped)
