@@ -40,6 +40,7 @@ def _free_port() -> int:
 def _scheduler(port: int, tokens: int) -> None:
     import grpc
 
+    from contracts.generate_stream import generate_stream
     from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
     from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -57,6 +58,10 @@ def _scheduler(port: int, tokens: int) -> None:
                     finish_reason=pb.FINISH_REASON_LENGTH if last else pb.FINISH_REASON_UNSPECIFIED,
                     usage=pb.Usage(prompt_tokens=len(request.token_ids.ids), completion_tokens=i + 1) if last else None,
                 )
+
+        async def GenerateStream(self, request_iterator, context):  # the gateway's requests
+            async for answer in generate_stream(self.Generate, request_iterator):
+                yield answer
 
     async def main() -> None:
         server = grpc.aio.server()

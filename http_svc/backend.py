@@ -1,4 +1,5 @@
-"""The gateway's side of the scheduler: one grpc.aio channel, the model it serves, the tokenizer.
+"""The gateway's side of the scheduler: one grpc.aio channel (its requests on one stream,
+http_svc.multiplex), the model it serves, the tokenizer.
 
 The gateway is ready once the scheduler has answered GetModelInfo and the tokenizer has
 loaded; until then every API call gets 503. Both are fetched in the background from start-up
@@ -27,6 +28,7 @@ import grpc
 from contracts import health as grpc_health
 from contracts.auth import call_metadata
 from contracts.tokenizer import Tokenizer, load_tokenizer
+from http_svc.multiplex import Multiplexer
 from protos.picovllm.scheduler.v1 import scheduler_pb2 as pb
 from protos.picovllm.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -117,6 +119,7 @@ class SchedulerBackend:
         self.channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.SchedulerServiceStub | None = None
         self._tasks: list[asyncio.Task] = []
+        self._mux: Multiplexer | None = None
         self.failed: BaseException | None = None  # the tokenizer could not load: the server stops
         # Chat templates render here, off the event loop, one at a time.
         self.render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chat-template")
@@ -194,18 +197,18 @@ class SchedulerBackend:
             return False
         return reply.status == grpc_health.SERVING
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """The scheduler's messages for one request; leaving the loop early (an error, a
-        client that went away) cancels the call, and the scheduler aborts the request."""
+    def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """The scheduler's messages for one request, on the gateway's one GenerateStream
+        (http_svc.multiplex); leaving the loop early (an error, a client that went away) drops
+        the request, and the scheduler aborts it."""
         assert self.stub is not None
-        call = self.stub.Generate(request, metadata=self.metadata)
-        try:
-            async for message in call:
-                yield message
-        finally:
-            call.cancel()
+        if self._mux is None or self._mux.broken:
+            self._mux = Multiplexer(self.stub, self.metadata)
+        return self._mux.generate(request)
 
     async def close(self) -> None:
+        if self._mux is not None:
+            await self._mux.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

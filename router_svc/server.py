@@ -30,6 +30,7 @@ import grpc
 from contracts.auth import Credentials, call_metadata
 from contracts.block_hash import prompt_block_hashes
 from contracts.errors import InvalidArgument, NotFound, Unavailable, error_from_rpc
+from contracts.generate_stream import generate_stream
 from contracts.rpc import announce, freeze_heap, start_server, stop_event
 from contracts.service_config import RouterSection, ServiceConfig
 from contracts.tokenizer import Tokenizer, load_tokenizer
@@ -191,6 +192,11 @@ class RouterServicer(pb_grpc.SchedulerServiceServicer):
                     route.replica = route.call = None
         finally:
             self.routes.pop(request_id, None)
+
+    async def GenerateStream(self, request_iterator, context) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """Many Generate requests on one call (contracts.generate_stream), each routed on its own."""
+        async for answer in generate_stream(self.Generate, request_iterator):
+            yield answer
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         route = self.routes.get(request.request_id)

@@ -1,4 +1,5 @@
-"""The scheduler gRPC service (picovllm.scheduler.v1): Generate (streamed), Abort, model info.
+"""The scheduler gRPC service (picovllm.scheduler.v1): Generate (streamed; many on one call:
+GenerateStream), Abort, model info.
 
 A thin servicer: proto <-> domain at the boundary; the engine (a ServiceEngine) runs its loop
 in a process of its own (scheduler_svc.engine_core) and hands back each step's outputs in one
@@ -41,6 +42,7 @@ from typing import Any
 
 from contracts.auth import Credentials
 from contracts.errors import InvalidArgument, NotFound, QueueFull, Unavailable
+from contracts.generate_stream import generate_stream
 from contracts.rpc import announce, freeze_heap, start_server, stop_event
 from contracts.sampling_params import RequestLimits, SamplingParams
 from contracts.service_config import SchedulerSection, ServiceConfig
@@ -221,6 +223,11 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             llm.close(request_id)  # aborts the request if it is still running
             if ended and self.metrics is not None:
                 self.metrics.requests.labels(ended).inc()
+
+    async def GenerateStream(self, request_iterator, context) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """Many Generate requests on one call (contracts.generate_stream)."""
+        async for answer in generate_stream(self.Generate, request_iterator):
+            yield answer
 
     async def _tokenize(self, text: str, request_id: str) -> list[int] | None:
         """The prompt's token ids, from the tokenizer thread; None when Abort came meanwhile."""

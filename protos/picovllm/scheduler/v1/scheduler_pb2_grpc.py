@@ -55,6 +55,11 @@ class SchedulerServiceStub:
                 request_serializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/picovllm.scheduler.v1.SchedulerService/GenerateStream',
+                request_serializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -93,6 +98,17 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate requests on one long-lived stream (the HTTP gateway's, which would otherwise
+        pay a call's set-up and teardown per request): each `generate` starts a request, each
+        `abort` drops one; what comes back is the messages Generate would send, tagged with their
+        request_id, as many as are ready in one message, then the request's end: done, or the
+        status its Generate call would have ended with. Closing the stream drops every request on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +131,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetLoadRequest.FromString,
                     response_serializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +247,33 @@ class SchedulerService:
             '/picovllm.scheduler.v1.SchedulerService/GetLoad',
             protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetLoadRequest.SerializeToString,
             protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/picovllm.scheduler.v1.SchedulerService/GenerateStream',
+            protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateStreamRequest.SerializeToString,
+            protos_dot_picovllm_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
