@@ -89,7 +89,8 @@ class _Requests:
 
     async def read(self, requests: AsyncIterator[pb.GenerateStreamRequest]) -> None:
         async for item in requests:
-            if item.WhichOneof("kind") == "generate":
+            kind = item.WhichOneof("kind")
+            if kind == "generate":
                 request_id = item.generate.request_id
                 if not request_id or request_id in self.tasks:
                     why = "a streamed request needs a request_id of its own on the stream"
@@ -97,7 +98,7 @@ class _Requests:
                     self.wake.set()
                     continue
                 self.tasks[request_id] = asyncio.ensure_future(self.run(item.generate))
-            elif item.WhichOneof("kind") == "abort":
+            elif kind == "abort":
                 task = self.tasks.pop(item.abort.request_id, None)
                 if task is not None:
                     task.cancel()
