@@ -4,14 +4,16 @@ The new tokens of B sequences are flattened (cu_seqlens_q); the new tokens of se
 context positions seq_lens[b] - q_len_b .. seq_lens[b] - 1, and all K/V (cached prefix and the
 new tokens' own) are read from the paged cache through the block table.
 
-Grid: (query tiles, query heads / H). A tile holds T = BLOCK_M / H query tokens of H query heads
+Grid: (query heads / H, query tiles). A tile holds T = BLOCK_M / H query tokens of H query heads
 (H = 1, or with PrefillConfig.pack_gqa the G heads of one KV head, so that short queries over
 long contexts fill the rows and read each K/V tile once for the group). The tiles of all
 sequences are numbered without a device sync the way varlen flash attention does it: sequence
 b owns tile ids [cu_q[b] // T + b, cu_q[b + 1] // T + b + 1), at least ceil(q_len_b / T) of
 them, so Nq // T + B programs always cover the batch (the few spare ones return at once).
-A program finds its sequence by binary search over cu_seqlens_q. Tile ids are taken in reverse,
-so the last (longest-context) tiles start first.
+A program finds its sequence by binary search over cu_seqlens_q. Tile ids are taken in reverse
+and the heads vary fastest in the launch order, so the longest-context tiles of every head start
+first (longest work first across the whole grid, and the heads that share a KV head read its
+tiles at about the same time).
 
 Each program walks the key tiles in two phases: tiles every query row of the tile may see in
 full (no mask), then the tiles across the diagonal (causal mask). Tiles past the diagonal are
@@ -173,10 +175,10 @@ def _prefill_kernel(
     SPLIT_P: tl.constexpr, FIX_BF16: tl.constexpr, HEADS: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     # HEADS query heads share each row tile (1, or all GROUP of a KV head): row r holds token
-    # r // HEADS of the tile, query head program_id(1) * HEADS + r % HEADS.
+    # r // HEADS of the tile, query head program_id(0) * HEADS + r % HEADS.
     TOKENS: tl.constexpr = BLOCK_M // HEADS  # query tokens per tile
-    tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1) * HEADS // GROUP
+    tile_id = tl.num_programs(1) - 1 - tl.program_id(1)
+    kv_head = tl.program_id(0) * HEADS // GROUP
 
     seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, TOKENS)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -192,7 +194,7 @@ def _prefill_kernel(
         D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
         d_mask = offs_d < HEAD_DIM
         rows = m_start + offs_m // HEADS  # the rows' tokens within the sequence's new ones
-        heads = tl.program_id(1) * HEADS + offs_m % HEADS
+        heads = tl.program_id(0) * HEADS + offs_m % HEADS
         row_mask = rows < q_len
         q_pos = first_pos + offs_m // HEADS
         q_offs = (q_start + rows).to(tl.int64)
@@ -272,7 +274,8 @@ def prefill_with_config(
     group = num_q_heads // num_kv_heads
     heads = group if config.pack_gqa and config.block_m % group == 0 else 1
     num_tiles = num_tokens // (config.block_m // heads) + num_seqs
-    _prefill_kernel[(num_tiles, num_q_heads // heads)](
+    assert num_tiles < 1 << 16, f"{num_tokens} tokens in one prefill launch: more row tiles than a grid holds"
+    _prefill_kernel[(num_q_heads // heads, num_tiles)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E, num_seqs, window,
         q.stride(0), q.stride(1),
