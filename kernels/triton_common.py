@@ -121,7 +121,8 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
 
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
-    """The first statement of a kernel launched with launch_pdl=PDL: wait until the previous
+    """Before a kernel launched with launch_pdl=PDL reads anything the kernel ahead may have
+    written (the gemv requests its weights first): wait until the previous
     kernel in the stream has completed and its writes are visible (nothing before this may
     read what that kernel wrote), then let the next kernel start launching. Waiting first
     keeps at most two kernels' programs on the GPU at once. A no-op without PDL."""

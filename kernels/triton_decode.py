@@ -41,6 +41,7 @@ from kernels.triton_common import (
     softmax_step,
     split_p,
     upcast_dot,
+    use_pdl,
 )
 
 # Heuristic constants of pick_num_splits (see its docstring).
@@ -54,27 +55,45 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     split_p: bool = True  # bf16: P @ V with P as two bf16 terms (kernels.triton_common.mma_pv)
+    programs_per_sm: float = PROGRAMS_PER_SM  # the launch pick_num_splits aims at
 
 
-def default_decode_config(dtype: torch.dtype, head_dim: int) -> DecodeConfig:
+def default_decode_config(dtype: torch.dtype, head_dim: int, batch: int = 0, pdl: bool = False) -> DecodeConfig:
     """16-bit: 64-token tiles (32 for head_dim > 128), num_stages=5. The pipeliner spends one
     stage on the block-table load that the K/V addresses depend on, so 5 stages give two K/V
-    buffers in flight (3 would give one). fp32 (the bundled model, CPU-sized): 16-token tiles,
-    which keep its fp32 products free of register spills. The interpreter uses 16-token tiles
-    so that small test shapes span several tiles and pages."""
+    buffers in flight (3 would give one). One sequence launched with programmatic dependent
+    launch (batch 1, pdl, head_dim <= 128): 16-token tiles, 2 warps, splits for ~6 programs
+    an SM. Smaller programs and more of them were faster in the model at every context
+    measured (512, 4k, 16k tokens; bench/NOTES.md, "Batch-1 decode: the weights before the
+    wait, small attention programs"), though slower than the 64-token tiles alone at long
+    contexts: presumably the projection programs that PDL starts beside them find room to
+    fetch their weights. fp32
+    (the bundled model, CPU-sized): 16-token tiles, which keep its fp32 products free of
+    register spills. The interpreter uses 16-token tiles so that small test shapes span
+    several tiles and pages."""
     if interpreting() or dtype == torch.float32:
         return DecodeConfig(block_n=16, num_warps=4, num_stages=3)
     block_d = max(16, next_pow2(head_dim))
+    if batch == 1 and pdl and block_d <= 128:
+        return DecodeConfig(block_n=16, num_warps=2, num_stages=5, programs_per_sm=6)
     return DecodeConfig(block_n=64 if block_d <= 128 else 32, num_warps=4, num_stages=5)
 
 
-def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64) -> int:
+def pick_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int = 132,
+    block_n: int = 64,
+    programs_per_sm: float = PROGRAMS_PER_SM,
+) -> int:
     """Number of KV splits per (sequence, KV head) for the decode kernel.
 
     The decode kernel launches batch * num_kv_heads * num_splits programs. The split count is
-    the one that brings that nearest to PROGRAMS_PER_SM (2) programs per SM:
+    the one that brings that nearest to programs_per_sm (PROGRAMS_PER_SM, 2, but for the
+    batch-1 config) programs per SM:
 
-        num_splits = round(PROGRAMS_PER_SM * num_sms / (batch * num_kv_heads))
+        num_splits = round(programs_per_sm * num_sms / (batch * num_kv_heads))
 
     clamped to [1, ceil(max_seq_len / block_n)] (a split shorter than one tile only adds
     partials to combine) and to MAX_SPLITS (256). Why two per SM: an SM holds three decode
@@ -83,8 +102,9 @@ def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: in
     second, mostly idle wave of programs; measured against more programs per SM in
     bench/NOTES.md, "Figures behind the code's choices".
 
-    On an H200 (132 SMs) with 8 KV heads: B=1 -> 33 splits (about 1k tokens each at L=32k;
-    16 one-tile splits at L=1k); B=8 -> 4; B=16 -> 2; B>=23 -> 1 (nothing to combine).
+    On an H200 (132 SMs) with 8 KV heads: B=1 (its config: 6 an SM, 16-token tiles) -> 99
+    splits (about 330 tokens each at L=32k; 64 one-tile splits at L=1k); B=8 -> 4; B=16 -> 2;
+    B>=23 -> 1 (nothing to combine).
 
     max_seq_len may be an upper bound (the decode wrapper passes block_tables.shape[1] *
     block_size, known on the host without a device sync, so the choice is CUDA-graph safe);
@@ -92,7 +112,7 @@ def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: in
     last splits empty.
     """
     num_programs = max(1, batch * num_kv_heads)
-    splits = int(PROGRAMS_PER_SM * num_sms / num_programs + 0.5)
+    splits = int(programs_per_sm * num_sms / num_programs + 0.5)
     splits = min(splits, cdiv(max(1, max_seq_len), block_n), MAX_SPLITS)
     return max(1, splits)
 
@@ -298,12 +318,14 @@ def decode_with_config(
     q = q if q.stride(-1) == 1 else q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
     if config is None:
-        config = default_decode_config(q.dtype, head_dim)
+        config = default_decode_config(q.dtype, head_dim, batch, use_pdl(q.device))
     if num_splits is None:
         max_len = block_tables.shape[1] * page  # host-known bound: no device sync
         if window > 0:
             max_len = min(max_len, window)
-        num_splits = pick_num_splits(batch, num_kv_heads, max_len, num_sms(q.device), config.block_n)
+        num_splits = pick_num_splits(
+            batch, num_kv_heads, max_len, num_sms(q.device), config.block_n, config.programs_per_sm
+        )
 
     group = num_q_heads // num_kv_heads
     block_d = max(16, next_pow2(head_dim))

@@ -45,7 +45,6 @@ from kernels.triton_common import (
 from kernels.triton_splitk import SPLITK_ROWS, splitk_add_residual, splitk_linear, use_splitk_linear  # noqa: F401  (the module is the model's entry point)
 
 GEMV_MAX_ROWS = 4
-GEMV_WARPS = 8
 GEMV_ELEMS_PER_THREAD = 64  # weight elements each thread loads per step (32 registers of bf16 pairs)
 
 
@@ -74,8 +73,9 @@ def _gemv_kernel(
 
     The input row is x, or silu(gate) * up of x's halves (SILU_MUL), or RMSNorm(x + residual)
     (NORM; every program normalises the few rows itself, they sit in L2, and program 0 writes
-    the new residual). Each is rounded where the separate kernels round."""
-    pdl_prologue(PDL)
+    the new residual). Each is rounded where the separate kernels round. The first weight tile
+    is requested before `pdl_prologue`: nothing writes weights, so under PDL they stream in
+    while the kernel ahead (which wrote x) finishes."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -86,6 +86,7 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # (BLOCK_N, 1)
     # the first weight tile (at one row: all of it) is requested before anything else
     w_first = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    pdl_prologue(PDL)
     rstd = tl.zeros([ROWS], tl.float32)
     if NORM:  # first pass over the rows: their sums of squares
         for k0 in tl.static_range(0, K, BLOCK_K):
@@ -139,14 +140,17 @@ def _gemv_kernel(
     )
 
 
-def gemv_block_n(n: int, sms: int) -> int:
-    """Output columns per program: the largest power of two up to 16 that still gives every
-    SM a program (Qwen3-0.6B on 132 SMs: o_proj and down_proj 4 -> 256 programs; q|k|v 16 ->
-    256; gate|up 16 -> 384)."""
+def gemv_shape(n: int, k: int, sms: int) -> tuple[int, int]:
+    """(output columns per program, warps): the largest power of two up to 16 columns that
+    still gives every SM a program, 8 warps (Qwen3-0.6B on 132 SMs: q|k|v 16 -> 256 programs,
+    gate|up 16 -> 384); into a narrower output (n < k: o_proj, down_proj) at most 2 columns
+    and 4 warps (512 programs). The latter against 4 columns and 8 warps: 0.810 -> 0.797-0.801
+    ms a token at batch 1 (bench/NOTES.md, "Batch-1 decode: the weights before the wait,
+    small attention programs")."""
     block = 16
     while block > 1 and n // block < sms:
         block //= 2
-    return block
+    return (min(block, 2), 4) if n < k else (block, 8)
 
 
 def gemv(
@@ -201,10 +205,10 @@ def _launch_gemv(
         return out
     rows = next_pow2(m)
     # The interpreter runs programs one after another: few wide ones (the math is the same).
-    block_n = 32 if interpreting() else gemv_block_n(n, num_sms(x.device))
+    block_n, warps = (32, 8) if interpreting() else gemv_shape(n, k, num_sms(x.device))
     # One step over the whole of K where it fits in GEMV_ELEMS_PER_THREAD (one row of
     # Qwen3-0.6B's projections: all of them), so that every weight load is issued at once.
-    step = GEMV_ELEMS_PER_THREAD * 32 * GEMV_WARPS // block_n
+    step = GEMV_ELEMS_PER_THREAD * 32 * warps // block_n
     block_k = max(16, min(next_pow2(k), 64 if interpreting() else step))
     has_residual = residual is not None
     residual = residual if residual is not None else x  # unused by the kernel then
@@ -216,7 +220,7 @@ def _launch_gemv(
         K=k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RESIDUAL=has_residual,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, FIX_BF16=fix_bf16_rounding(x.dtype),
         **pdl_launch(x.device),
-        num_warps=GEMV_WARPS,
+        num_warps=warps,
     )  # fmt: skip
     return out
 

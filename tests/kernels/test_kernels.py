@@ -138,6 +138,22 @@ def test_pick_num_splits_fills_the_gpu(batch, kv_heads, max_len, expected):
     assert programs >= min(132, batch * kv_heads * cdiv(max_len, 64)) and (num_splits == 1 or programs <= 3 * 132)
 
 
+def test_batch_one_decode_takes_small_programs(monkeypatch):
+    """On a GPU one sequence under PDL gets 16-token tiles on 2 warps and ~6 programs an SM
+    (99 splits of a 32k bound on 132 SMs); larger batches, and batch 1 launched without PDL,
+    keep 64-token tiles and ~2 an SM."""
+    from kernels import triton_decode
+
+    monkeypatch.setattr(triton_decode, "interpreting", lambda: False)
+    one = triton_decode.default_decode_config(torch.bfloat16, 128, batch=1, pdl=True)
+    assert (one.block_n, one.num_warps, one.num_stages, one.programs_per_sm) == (16, 2, 5, 6)
+    assert pick_num_splits(1, 8, 32768, 132, one.block_n, one.programs_per_sm) == 99
+    many = triton_decode.default_decode_config(torch.bfloat16, 128, batch=2, pdl=True)
+    assert (many.block_n, many.programs_per_sm) == (64, 2)
+    assert triton_decode.default_decode_config(torch.bfloat16, 128, batch=1) == many
+    assert triton_decode.default_decode_config(torch.bfloat16, 256, batch=1, pdl=True).block_n == 32
+
+
 # ---------------------------------------------------------------------------------------------
 # store_kvcache
 

@@ -1,5 +1,5 @@
 """GPU only (skipped without CUDA): the attention and store kernels at production shapes (Hq
-32, Hkv 8, D 128), odd head dims and other block sizes, the bundled model's fp32 shapes, and
+32, Hkv 8, D 128; decode of one sequence too), odd head dims and other block sizes, the bundled model's fp32 shapes, and
 both attention kernels captured in a CUDA graph, each against its torch reference. The
 helpers and the CPU/interpreter cases are in test_kernels.py."""
 
@@ -29,6 +29,18 @@ PRODUCTION_SHAPES = [(16, 128, (32, 8)), (64, 128, (32, 8)), (8, 256, (16, 2)), 
 @pytest.mark.parametrize("block_size,head_dim,heads", PRODUCTION_SHAPES)
 def test_gpu_decode_production_shapes(dtype, block_size, head_dim, heads):
     run_decode_case(torch.device("cuda"), dtype, [1, 100, 1000, 4097, 2900], block_size, head_dim, heads)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("seq_len", [1, 100, 4097, 20000])
+@pytest.mark.parametrize("block_size,head_dim,heads", PRODUCTION_SHAPES)
+def test_gpu_decode_one_sequence(seq_len, block_size, head_dim, heads):
+    """Batch 1 under PDL has its own tiles and split count (triton_decode.default_decode_config)."""
+    from kernels.triton_common import pdl_scope
+
+    with pdl_scope(True):
+        run_decode_case(torch.device("cuda"), torch.bfloat16, [seq_len], block_size, head_dim, heads)
 
 
 @pytest.mark.gpu

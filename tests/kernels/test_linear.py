@@ -13,7 +13,7 @@ from kernels.reference import rms_norm_ref, silu_and_mul_ref
 from kernels.triton_linear import (
     GEMV_MAX_ROWS,
     gemv,
-    gemv_block_n,
+    gemv_shape,
     rms_norm_gemv,
     silu_mul_linear,
     use_gemv,
@@ -79,9 +79,11 @@ def test_gemv_dispatch_and_tiling():
     assert not use_gemv(torch.zeros((GEMV_MAX_ROWS + 1, 32), dtype=torch.bfloat16), narrow)
     assert not use_gemv(one.float(), narrow.float())  # fp32 stays exact with cuBLAS
     assert not use_gemv(one, torch.zeros((151936, 32), dtype=torch.bfloat16))  # the logits product: cuBLAS
-    # Qwen3-0.6B on 132 SMs: every SM gets a program
-    assert gemv_block_n(1024, 132) == 4 and gemv_block_n(4096, 132) == 16 and gemv_block_n(6144, 132) == 16
-    assert gemv_block_n(40, 132) == 1
+    # Qwen3-0.6B on 132 SMs: every SM gets a program; the narrowing o_proj and down_proj 2
+    # columns a program on 4 warps
+    assert gemv_shape(4096, 1024, 132) == (16, 8) and gemv_shape(6144, 1024, 132) == (16, 8)
+    assert gemv_shape(1024, 2048, 132) == (2, 4) and gemv_shape(1024, 3072, 132) == (2, 4)
+    assert gemv_shape(40, 64, 132) == (1, 4) and gemv_shape(40, 32, 132) == (1, 8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
