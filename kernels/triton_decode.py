@@ -67,10 +67,9 @@ def default_decode_config(dtype: torch.dtype, head_dim: int, batch: int = 0, pdl
     measured (512, 4k, 16k tokens; bench/NOTES.md, "Batch-1 decode: the weights before the
     wait, small attention programs"), though slower than the 64-token tiles alone at long
     contexts: presumably the projection programs that PDL starts beside them find room to
-    fetch their weights. fp32
-    (the bundled model, CPU-sized): 16-token tiles, which keep its fp32 products free of
-    register spills. The interpreter uses 16-token tiles so that small test shapes span
-    several tiles and pages."""
+    fetch their weights. fp32 (the bundled model, CPU-sized): 16-token tiles, which keep its
+    fp32 products free of register spills. The interpreter uses 16-token tiles so that small
+    test shapes span several tiles and pages."""
     if interpreting() or dtype == torch.float32:
         return DecodeConfig(block_n=16, num_warps=4, num_stages=3)
     block_d = max(16, next_pow2(head_dim))
