@@ -1,7 +1,8 @@
 """GPU only (skipped without CUDA): the attention and store kernels at production shapes (Hq
-32, Hkv 8, D 128; decode of one sequence too), odd head dims and other block sizes, the bundled model's fp32 shapes, and
-both attention kernels captured in a CUDA graph, each against its torch reference. The
-helpers and the CPU/interpreter cases are in test_kernels.py."""
+32, Hkv 8, D 128; decode of one sequence too), odd head dims and other block sizes, the
+bundled model's fp32 shapes, and both attention kernels captured in a CUDA graph, each
+against its torch reference. The helpers and the CPU/interpreter cases are in
+test_kernels.py."""
 
 from __future__ import annotations
 
