@@ -239,11 +239,12 @@ def make_llm(
     """An LLM over a ModelRunner for a named config (random weights) or a local directory,
     with no tokenizer (token-id prompts). Returns (llm, runner)."""
     from model_svc.runner_factory import small_batch_pdl
-    from scheduler_svc.config import EngineConfig
+    from scheduler_svc.config import EngineConfig, offline_batched_tokens
     from scheduler_svc.engine import LLMEngine
     from scheduler_svc.llm import LLM
 
     block_size = engine_kwargs.get("block_size", 16)
+    engine_kwargs.setdefault("max_num_batched_tokens", offline_batched_tokens(device))  # as LLM() takes it
     path, runner = build_runner(
         model,
         device,
@@ -253,7 +254,7 @@ def make_llm(
         enforce_eager=enforce_eager,
         small_batch_pdl=small_batch_pdl(engine_kwargs.get("async_scheduling")),
         max_num_seqs=engine_kwargs.get("max_num_seqs", 256),
-        max_num_batched_tokens=engine_kwargs.get("max_num_batched_tokens", 8192),
+        max_num_batched_tokens=engine_kwargs["max_num_batched_tokens"],
         num_host_blocks=engine_kwargs.pop("num_cpu_blocks", 0),
     )
     config = EngineConfig(

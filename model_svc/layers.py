@@ -268,9 +268,12 @@ class Attention(nn.Module):
         for start, end in zip(starts[:-1], starts[1:]):
             if end == start:
                 continue
-            qs = q[start:end].transpose(0, 1)  # (Hq, L, D)
-            ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, L, D)
-            vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
+            # (1, Hq, L, D): on CUDA, 4-D inputs take SDPA's flash or memory-efficient kernels;
+            # 3-D ones took its math path, whose (Hq, L, L) scores made the profiling forward's
+            # peak (model_svc.warmup) grow with the square of the step budget.
+            qs = q[start:end].transpose(0, 1)[None]
+            ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+            vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
-            out[start:end] = o.transpose(0, 1)
+            out[start:end] = o[0].transpose(0, 1)
         return out

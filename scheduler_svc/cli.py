@@ -56,7 +56,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
     g.add_argument(
-        "--max-num-batched-tokens", type=int, default=8192, help="tokens in one step at most (prompt chunks included)"
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens in one step at most, prompt chunks included (default: 16384 on a GPU of 70+ GiB, else 8192)",
     )
     g.add_argument(
         "--preemption-mode",

@@ -42,6 +42,21 @@ def resolve_model(model: str) -> str:
     )
 
 
+def offline_batched_tokens(device: str | None) -> int:
+    """The embedded engine's step budget when none is given: 16,384 tokens on a CUDA device
+    of 70 GiB or more other than an A100 (H100, H200 class), else 8,192, the figures vLLM's
+    offline LLM class takes (its server, like ours, keeps a smaller one for latency): an
+    offline run's prompts come all at once, and larger prefill steps measured faster on the
+    headline workload (bench/NOTES.md, "The offline step budget")."""
+    import torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type != "cuda":
+        return 8192
+    props = torch.cuda.get_device_properties(dev)
+    return 16384 if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower() else 8192
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = BUNDLED_MODEL
@@ -54,7 +69,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "swap"  # "swap" | "recompute"
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: offline_batched_tokens(device)
     max_model_len: int | None = None
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
@@ -73,6 +88,8 @@ class EngineConfig:
     tp_master_port: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", offline_batched_tokens(self.device))
         check_fields(self)
         # A repo id becomes its snapshot directory here, once, so that everything reading the
         # config (the model runner, the tokenizer) gets a local directory.

@@ -46,7 +46,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         preemption_mode: str = "swap",
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int | None = None,  # None: by device (scheduler_svc.config.offline_batched_tokens)
         device: str | None = None,
         dtype: str | None = None,
         **kwargs: Any,
