@@ -42,6 +42,25 @@ def resolve_model(model: str) -> str:
     )
 
 
+def check_device(device: str | None) -> None:
+    """A device this machine has, as a ValueError naming it (the CLI's one line), not a
+    traceback from deep in the model runner: None, "cpu", "cuda" or "cuda:N"."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this machine's torch ({torch.__version__}) sees no CUDA device")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def offline_batched_tokens(device: str | None) -> int:
     """The embedded engine's step budget when none is given: 16,384 tokens on a CUDA device
     of 70 GiB or more other than an A100 (H100, H200 class), else 8,192, the figures vLLM's
@@ -88,6 +107,7 @@ class EngineConfig:
     tp_master_port: int | None = None
 
     def __post_init__(self) -> None:
+        check_device(self.device)
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", offline_batched_tokens(self.device))
         check_fields(self)
