@@ -66,7 +66,8 @@ def offline_batched_tokens(device: str | None) -> int:
     of 70 GiB or more other than an A100 (H100, H200 class), else 8,192, the figures vLLM's
     offline LLM class takes (its server, like ours, keeps a smaller one for latency): an
     offline run's prompts come all at once, and larger prefill steps measured faster on the
-    headline workload (bench/NOTES.md, "The offline step budget")."""
+    headline workload (bench/NOTES.md, "The user-path headline: where its time goes, the
+    offline step budget")."""
     import torch
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
