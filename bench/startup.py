@@ -4,10 +4,11 @@ starts it, and where the time goes.
 Each run is a new process (spawned, so the interpreter's start and the imports count). It
 times the phases of `LLM()` by wrapping the runner's start-up steps in that process only
 (product code unchanged): importing the package (torch, triton, transformers), loading the
-weights onto the device (CUDA's context included), sizing the KV pool (one profiling forward:
-the first kernels' compiles), capturing the CUDA graphs, compiling the kernels the graphs do
-not run, the rest of `LLM()` (tokenizer, scheduler), and then the first generate (one tiny
-prompt, 1 token). Triton's compiles are counted by its post-compile hook.
+weights onto the device (CUDA's context included), sizing the KV pool (one profiling forward,
+its kernels compiled first), compiling the other Triton kernels side by side (from a rehearsal
+of the graphs' work, prefills and sampling), capturing the CUDA graphs, the rest of `LLM()`
+(tokenizer, scheduler), and then the first generate (one tiny prompt, 1 token). Triton's
+compiles are counted by its post-compile hook.
 
 Cold: Triton's cache in a fresh empty directory (a new machine, or a new Triton version).
 Warm: the same directory again, as every later start finds it. The weights' files are in the
@@ -38,8 +39,8 @@ PHASES = (
     ("import", "start the interpreter, import the package (torch, triton)"),
     ("load_model", "weights onto the device (CUDA context included)"),
     ("build_pools", "KV pool sizing (one profiling forward)"),
+    ("compile_kernels", "Triton kernels, side by side (the graphs' work rehearsed, prefills, sampling)"),
     ("capture_graphs", "CUDA graphs (decode buckets, piecewise prefill)"),
-    ("compile_kernels", "kernels the graphs do not run"),
     ("rest", "the rest of LLM() (tokenizer, scheduler)"),
     ("first_token", "first generate (tiny prompt, 1 token)"),
 )
@@ -88,7 +89,7 @@ def _child(model_dir: str, spawned_at: float, profile: bool, conn) -> None:
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
         top = text.getvalue()
     spans["rest"] = llm_s - sum(
-        spans.get(k, 0.0) for k in ("load_model", "build_pools", "capture_graphs", "compile_kernels")
+        spans.get(k, 0.0) for k in ("load_model", "build_pools", "compile_kernels", "capture_graphs")
     )
     t = time.perf_counter()
     llm.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)

@@ -212,7 +212,12 @@ def parse_args() -> argparse.Namespace:
         help="device KV pool size in blocks (default: measured from free memory)",
     )
     ap.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens in one step at most")
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens in one step at most (default: LLM()'s for the device: config.offline_batched_tokens)",
+    )
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument(
         "--pipeline-depth",
@@ -263,7 +268,12 @@ def parse_args() -> argparse.Namespace:
         "(skip_tokenizer_init=True: what detokenization costs), bytes (a slow byte-level tokenizer)",
     )
     ap.add_argument("--out", default=None, help="write a markdown result here (default: print only)")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.max_num_batched_tokens is None:
+        from scheduler_svc.config import offline_batched_tokens
+
+        args.max_num_batched_tokens = offline_batched_tokens(args.device)
+    return args
 
 
 def timed_runs(args, llm, prompts, params, dev: torch.device) -> tuple[list[tuple], list[str]]:

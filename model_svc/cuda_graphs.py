@@ -23,6 +23,7 @@ step of greedy or plain-temperature rows launches nothing between its replays.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -179,7 +180,7 @@ class DecodeGraphs:
         self.sampled = torch.zeros(max_batch, dtype=torch.long, device=device)  # the sampling graphs' draws
         self.buckets = batch_buckets(max_batch)
         if capture:  # (tests of the input handling build it without graphs, on any device)
-            self._capture()
+            self.capture()
 
     def _group_buffers(self, batch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each KV group's slot mapping and block tables of the first `batch` rows."""
@@ -200,15 +201,34 @@ class DecodeGraphs:
         )
         return per_group(meta, slots, tables)
 
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        from kernels.triton_common import pdl_scope
-
-        pool = None
+    def _keys(self) -> list[tuple[int, bool]]:
+        """The graphs' keys, largest batch first (later graphs reuse its memory)."""
         keys = [(b, False) for b in self.buckets]
         if self.max_prefix_blocks > 0:
             keys += [(b, True) for b in self.buckets if b >= CASCADE_MIN_SEQS]
-        for key in sorted(keys, reverse=True):  # largest first: later graphs reuse its memory
+        return sorted(keys, reverse=True)
+
+    @torch.inference_mode()
+    def rehearse(self) -> None:
+        """Each graph's work once, eagerly, nothing captured or kept: under
+        kernels.compile_ahead, the list of the kernels the capture will compile."""
+        from kernels.triton_common import pdl_scope
+
+        for key in self._keys():
+            with pdl_scope(key[0] <= self.pdl_max_batch):
+                self.outputs[key] = self._forward(*key)
+                if self.sample is not None:
+                    with contextlib.suppress(Exception):  # capture() meets it again, and falls back
+                        self._sample(*key)
+        self.outputs.clear()
+        self.last_token.zero_()  # what the rehearsal's draws wrote (skipped kernels: garbage)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        from kernels.triton_common import pdl_scope
+
+        pool = None
+        for key in self._keys():
             with pdl_scope(key[0] <= self.pdl_max_batch):
                 self.graphs[key], self.outputs[key], pool = self._capture_one(self._forward, key, pool)
             if self.sample is not None:

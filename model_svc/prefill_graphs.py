@@ -66,7 +66,7 @@ class PrefillGraphs:
         self.hidden: dict[int, torch.Tensor] = {}  # the last piece's output per bucket
         self._residual: torch.Tensor | None = None  # between pieces: the residual stream
         if capture and self.buckets:
-            self._capture()
+            self.capture()
 
     def bucket(self, num_tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= num_tokens), None)
@@ -110,7 +110,15 @@ class PrefillGraphs:
         )
 
     @torch.inference_mode()
-    def _capture(self) -> None:
+    def rehearse(self) -> None:
+        """Every bucket's pieces once, eagerly, nothing captured (for kernels.compile_ahead;
+        they write no K/V: slots -1)."""
+        for n in sorted(self.buckets, reverse=True):
+            for i in range(len(self.layers) + 1):
+                self._piece(i, n)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for n in sorted(self.buckets, reverse=True):
             graphs = []

@@ -114,10 +114,12 @@ class ModelRunner:
         # waits for the step in flight, which overlapped scheduling needs.
         self.pinned_inputs = pinned_inputs and self.device.type == "cuda"
         self._staging = PinnedStaging(self.device) if self.pinned_inputs else None
-        if self.device.type == "cuda" and not enforce_eager:
-            self._capture_graphs(max_num_seqs, max_num_batched_tokens, fused_sample, small_batch_pdl)
         if self.device.type == "cuda":
-            compile_kernels(self.model, self.sampler, self.device, self.pools.layer_caches, block_size)
+            if not enforce_eager:
+                self._build_graphs(max_num_seqs, max_num_batched_tokens, fused_sample, small_batch_pdl)
+            rehearsals = [graphs.rehearse for graphs in self._graph_sets()]
+            compile_kernels(self.model, self.sampler, self.device, self.pools.layer_caches, block_size, rehearsals)
+            self._capture_graphs()
         self.seqs: dict[str, _SeqState] = {}
         logger.info(
             "model runner: %s on %s (%s), kernels=%s, %d device blocks, %d host blocks",
@@ -154,7 +156,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_len // bs)  # logical blocks (table entries per group)
         self.block_tables = HostBlockTables(self.kv_groups.num_groups * self.max_blocks_per_seq)
 
-    def _capture_graphs(
+    def _build_graphs(
         self,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -162,7 +164,7 @@ class ModelRunner:
         pdl: bool,
     ) -> None:
         """The decode graphs (their sampling graphs with the one-pass kernel) and, where the
-        layers split at the attention, the prefill graphs."""
+        layers split at the attention, the prefill graphs; captured by _capture_graphs."""
         from model_svc.cuda_graphs import PDL_MAX_BATCH, DecodeGraphs
 
         width = self.max_blocks_per_seq  # blocks of the longest possible sequence
@@ -174,14 +176,23 @@ class ModelRunner:
             self.device,
             windows=self.kv_groups.windows,
             max_prefix_blocks=min(width, CASCADE_MAX_TOKENS // self.block_size),
+            capture=False,
             sample=fused_sample,
             pdl_max_batch=PDL_MAX_BATCH if pdl else 0,
         )
         self._last_token = self.graphs.last_token
         if supports_piecewise(self.model):
             self.prefill_graphs = PrefillGraphs(
-                self.model, self.pools.layer_caches, max_num_batched_tokens, self.device
+                self.model, self.pools.layer_caches, max_num_batched_tokens, self.device, capture=False
             )
+
+    def _graph_sets(self) -> list[DecodeGraphs | PrefillGraphs]:
+        return [graphs for graphs in (self.graphs, self.prefill_graphs) if graphs is not None]
+
+    def _capture_graphs(self) -> None:
+        """The graphs' capture (their kernels compiled by compile_kernels)."""
+        for graphs in self._graph_sets():
+            graphs.capture()
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel group (nothing to do without one)."""

@@ -1,9 +1,11 @@
 """The model runner's start-up work on dummy inputs: sizing the device KV pool from the memory
-a forward and the sampler leave free, and compiling the kernels the decode graphs do not run.
+a forward and the sampler leave free, and compiling the Triton kernels of start-up and of the
+first requests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,19 +64,27 @@ def profile_num_blocks(
     the memory leaves after the weights and the activation peak of the largest step."""
     if device.type != "cuda":
         return max(16, cpu_bytes // block_bytes)
-    # One forward at the largest batch without a cache measures the activation peak.
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    from kernels.compile_ahead import compile_ahead  # Triton is imported only where it runs
+
     config = model.config
     n = min(max_tokens, config.max_position_embeddings)
     ids, positions, meta = dummy_prefill([n], block_size, device)
-    with torch.inference_mode():
+    rows = min(n, max_seqs)
+    knobs = ProfileSampling()
+
+    @torch.inference_mode()
+    def largest_step() -> None:
         hidden = model(ids, positions, [(None, None)] * config.num_hidden_layers, meta)
         # The sampler at the largest batch with every truncation on (its sorts are the
         # largest temporaries): counted in the peak, and its blocks stay in the allocator.
-        rows = min(n, max_seqs)
-        knobs = ProfileSampling()
         sampler(model.compute_logits(hidden[-rows:]), SamplingBatch.build([knobs] * rows, None, None, None, device))
+
+    with compile_ahead():  # its kernels compiled side by side first
+        largest_step()
+    # One forward at the largest batch without a cache measures the activation peak.
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    largest_step()
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     peak = torch.cuda.max_memory_allocated(device)
@@ -88,17 +98,29 @@ def profile_num_blocks(
 
 @torch.inference_mode()
 def compile_kernels(
-    model: LlamaForCausalLM, sampler: Sampler, device: torch.device, layer_caches: list[KVCache], block_size: int
+    model: LlamaForCausalLM,
+    sampler: Sampler,
+    device: torch.device,
+    layer_caches: list[KVCache],
+    block_size: int,
+    rehearsals: Sequence[Callable[[], None]] = (),
 ) -> None:
-    """Run once what the decode graphs do not: paged prefills with a long and with short
-    new-token runs (the prefill kernel's two tilings; nothing written: slots -1; they read
-    block 0, whatever it holds) and temperature sampling, so that their Triton kernels
-    compile at start-up, not in the middle of the first requests (a second or two each on
+    """Compile, side by side (kernels.compile_ahead), the Triton kernels of the `rehearsals`
+    (the CUDA graphs' work, rehearsed before their capture) and of what the graphs do not
+    run: paged prefills with a long and with short new-token runs (the prefill kernel's two
+    tilings; nothing written: slots -1; they read block 0, whatever it holds) and
+    temperature sampling. So they compile at start-up, all at once, not one after another
+    in the graphs' capture or in the middle of the first requests (a second or two each on
     a fresh machine)."""
-    for lens in ([80], [16, 16]):  # the prefill kernel's tiles for long and for short new-token runs
-        ids, positions, meta = dummy_prefill(lens, block_size, device)
-        hidden = model(ids, positions, layer_caches, meta)
-    plain = ProfileSampling(top_k=0, top_p=1.0, min_p=0.0)  # temperature only: the fused kernel
-    params = [plain, ProfileSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)]
-    sampler(model.compute_logits(hidden[:2]), SamplingBatch.build(params, None, None, None, device))
-    torch.cuda.synchronize(device)
+    from kernels.compile_ahead import compile_ahead  # Triton is imported only where it runs
+
+    with compile_ahead():
+        for rehearse in rehearsals:
+            rehearse()
+        for lens in ([80], [16, 16]):  # the prefill kernel's tiles for long and for short new-token runs
+            ids, positions, meta = dummy_prefill(lens, block_size, device)
+            hidden = model(ids, positions, layer_caches, meta)
+        plain = ProfileSampling(top_k=0, top_p=1.0, min_p=0.0)  # temperature only: the fused kernel
+        params = [plain, ProfileSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)]
+        sampler(model.compute_logits(hidden[:2]), SamplingBatch.build(params, None, None, None, device))
+        torch.cuda.synchronize(device)
