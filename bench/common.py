@@ -100,10 +100,10 @@ def model_dir_for(name_or_path: str) -> tuple[str, bool]:
 
 def build_runner(model: str, device: str, dtype: str | None, **runner_kwargs):
     """A ModelRunner for a named config (random weights) or a local directory."""
-    from kernels import select_ops
     from model_svc.config import ModelConfig
     from model_svc.loader import build_random_model, resolve_dtype
     from model_svc.runner import ModelRunner
+    from pico_kernels import select_ops
 
     path, random_weights = model_dir_for(model)
     dev = torch.device(device)

@@ -1,4 +1,4 @@
-"""The baselines bench/kernels.py times the Triton decode kernel against: torch SDPA on
+"""The baselines bench/attention.py times the Triton decode kernel against: torch SDPA on
 contiguous K/V, and FlexAttention straight over the paged pool. Shapes come from the tensors:
 caches (num_blocks, PAGE, Hkv, D), block tables (B, blocks per sequence)."""
 

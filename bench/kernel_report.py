@@ -1,11 +1,11 @@
-"""The markdown report of bench/kernels.py: the ceilings, correctness, decode against its
+"""The markdown report of bench/attention.py: the ceilings, correctness, decode against its
 baselines, the decode sweep and prefill tables of one run."""
 
 from __future__ import annotations
 
 import math
 
-from kernels.triton_ops import DecodeConfig, PrefillConfig
+from pico_kernels.triton_ops import DecodeConfig, PrefillConfig
 
 
 def fmt(x, spec: str) -> str:
@@ -45,7 +45,7 @@ def render(
         "",
     ]
     out += [
-        "## Correctness at full size (bf16, against kernels.reference)",
+        "## Correctness at full size (bf16, against pico_kernels.reference)",
         "",
         "| kernel | case | rel. error (norm) | ok |",
         "| --- | --- | --- | --- |",

@@ -1,4 +1,4 @@
-"""The shapes, inputs, ceilings and timing of bench/kernels.py's tables."""
+"""The shapes, inputs, ceilings and timing of bench/attention.py's tables."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Triton small-batch projection (kernels.triton_linear.gemv) vs cuBLAS (F.linear) on
+"""The Triton small-batch projection (pico_kernels.triton_linear.gemv) vs cuBLAS (F.linear) on
 Qwen3-0.6B's projections at decode batch sizes: time per call inside a CUDA graph (as the
 decode step runs them), weight bytes over time, and that as a fraction of the copy bandwidth
 measured in the same run.
@@ -61,7 +61,7 @@ def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main() -> None:
-    from kernels.triton_linear import GEMV_MAX_ROWS, gemv
+    from pico_kernels.triton_linear import GEMV_MAX_ROWS, gemv
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8")

@@ -284,7 +284,7 @@ if __name__ == "__main__":
     if args.prefill_p_terms is not None:
         import dataclasses
 
-        from kernels import triton_prefill
+        from pico_kernels import triton_prefill
 
         default = triton_prefill.default_prefill_config
         triton_prefill.default_prefill_config = lambda *a: dataclasses.replace(

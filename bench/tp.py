@@ -34,9 +34,9 @@ PARITY_TOKENS = 64
 
 def write_random_model(name: str, device: str, dtype: str | None) -> str:
     """A directory with the named config's random weights (built on `device`, saved in HF layout)."""
-    from kernels import select_ops
     from model_svc.config import ModelConfig
     from model_svc.loader import build_random_model, resolve_dtype, save_model
+    from pico_kernels import select_ops
 
     path, _ = model_dir_for(name)
     dev = torch.device(device)

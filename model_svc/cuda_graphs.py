@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 # Decode graphs of up to this many rows capture programmatic dependent launch (unless
-# PICOVLLM_PDL says otherwise, kernels.triton_common.use_pdl): a step of one to a few
+# PICOVLLM_PDL says otherwise, pico_kernels.triton_common.use_pdl): a step of one to a few
 # sequences is a chain of latency-bound kernels, where each one's launch overlapping the last
 # one's tail pays when steps are queued back to back (batch-1 decode, overlapped scheduling);
 # larger steps it made slower, and so it did steps launched one at a time
@@ -130,7 +130,7 @@ class DecodeReplay(NamedTuple):
 
 class DecodeGraphs:
     """sample (optional): sample(logits, temperature, greedy, seed, out=...) writes a batch's draws
-    into out (kernels.triton_sample.gumbel_sample's form, the seed a device tensor). With it,
+    into out (pico_kernels.triton_sample.gumbel_sample's form, the seed a device tensor). With it,
     each graph gets a second graph that samples from its hidden states and records the draws
     at the sequences' rows of last_token: a decode step whose every row the one-pass kernel
     can sample (greedy or plain temperature) is then two replays, with no launch in between
@@ -211,8 +211,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def rehearse(self) -> None:
         """Each graph's work once, eagerly, nothing captured or kept: under
-        kernels.compile_ahead, the list of the kernels the capture will compile."""
-        from kernels.triton_common import pdl_scope
+        pico_kernels.compile_ahead, the list of the kernels the capture will compile."""
+        from pico_kernels.triton_common import pdl_scope
 
         for key in self._keys():
             with pdl_scope(key[0] <= self.pdl_max_batch):
@@ -225,7 +225,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        from kernels.triton_common import pdl_scope
+        from pico_kernels.triton_common import pdl_scope
 
         pool = None
         for key in self._keys():

@@ -5,8 +5,8 @@ Tokens of all sequences in a step are flattened into one batch of N tokens; ther
 batch or padding dimension anywhere below the model.
 
 With the Triton kernel ops (CUDA), RMSNorm, SiluAndMul and the q/k norm + rotary run as the
-fused kernels of kernels.triton_fused, and projections of a few rows (decode at small batch) as
-kernels.triton_linear; otherwise the torch code here runs (it is the reference).
+fused kernels of pico_kernels.triton_fused, and projections of a few rows (decode at small batch) as
+pico_kernels.triton_linear; otherwise the torch code here runs (it is the reference).
 """
 
 from __future__ import annotations
@@ -21,30 +21,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ops import KernelOps
-from kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from model_svc.attention_metadata import AttentionMetadata
 from model_svc.config import RopeScaling
+from pico_kernels.ops import KernelOps
+from pico_kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 
 # The torch path of these layers is the kernels' reference math, not a copy of it.
 apply_rotary = rotary_ref
 
 
 def triton_module(ops: KernelOps | None, name: str) -> ModuleType | None:
-    """kernels.<name> when the model runs the Triton ops, else None (the torch code runs).
+    """pico_kernels.<name> when the model runs the Triton ops, else None (the torch code runs).
     Imported lazily so that the torch path needs no Triton."""
     if ops is None or ops.name != "triton":
         return None
-    return importlib.import_module(f"kernels.{name}")
+    return importlib.import_module(f"pico_kernels.{name}")
 
 
 def fused_kernels(ops: KernelOps | None) -> ModuleType | None:
-    """kernels.triton_fused (RMSNorm, q/k norm + rotary, SiLU-and-mul) or None."""
+    """pico_kernels.triton_fused (RMSNorm, q/k norm + rotary, SiLU-and-mul) or None."""
     return triton_module(ops, "triton_fused")
 
 
 def gemv_kernels(ops: KernelOps | None) -> ModuleType | None:
-    """kernels.triton_linear (projections of decode batches) or None."""
+    """pico_kernels.triton_linear (projections of decode batches) or None."""
     return triton_module(ops, "triton_linear")
 
 
@@ -153,7 +153,7 @@ def linear(
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose small-batch 16-bit products take kernels.triton_linear on the Triton ops."""
+    """nn.Linear whose small-batch 16-bit products take pico_kernels.triton_linear on the Triton ops."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, ops: KernelOps | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -198,8 +198,8 @@ class Attention(nn.Module):
     With an empty cache (the profiling forward before the pools exist) the store is skipped
     and each sequence attends causally to its own new tokens only. With stored=True the caller
     has already written this step's K/V into the cache (the fused q/k norm + rotary kernel of
-    kernels.triton_fused does), so only the attention runs. window > 0: sliding-window
-    attention (kernels.reference), which never takes the cascade path.
+    pico_kernels.triton_fused does), so only the attention runs. window > 0: sliding-window
+    attention (pico_kernels.reference), which never takes the cascade path.
     """
 
     def __init__(

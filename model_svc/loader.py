@@ -19,12 +19,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from kernels import select_ops
-from kernels.ops import KernelOps
 from model_svc.config import ModelConfig
 from model_svc.layers import MergedLinear, RMSNorm
 from model_svc.models import build_model
 from model_svc.models.llama import LlamaForCausalLM
+from pico_kernels import select_ops
+from pico_kernels.ops import KernelOps
 
 if TYPE_CHECKING:
     from model_svc.parallel import TPGroup

@@ -29,9 +29,9 @@ from torch import nn
 
 from contracts.errors import ModelLost
 from contracts.step import StepInput
-from kernels.ops import KernelOps
 from model_svc.config import ModelConfig
 from model_svc.layers import Linear, linear
+from pico_kernels.ops import KernelOps
 
 logger = logging.getLogger(__name__)
 

@@ -91,7 +91,7 @@ class PrefillGraphs:
     def _attention(self, i: int, n: int, step_attn: StepAttention) -> None:
         """Layer i's paged prefill attention, straight into the buffer the next piece reads
         (supports_piecewise: the model is on the Triton ops)."""
-        from kernels.triton_prefill import prefill_with_config  # Triton is imported only where it runs
+        from pico_kernels.triton_prefill import prefill_with_config  # Triton is imported only where it runs
 
         meta = step_attn[self.layer_group[i]] if isinstance(step_attn, tuple) else step_attn
         attn = self.layers[i].self_attn.attn
@@ -111,7 +111,7 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def rehearse(self) -> None:
-        """Every bucket's pieces once, eagerly, nothing captured (for kernels.compile_ahead;
+        """Every bucket's pieces once, eagerly, nothing captured (for pico_kernels.compile_ahead;
         they write no K/V: slots -1)."""
         for n in sorted(self.buckets, reverse=True):
             for i in range(len(self.layers) + 1):

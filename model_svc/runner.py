@@ -19,7 +19,6 @@ from contracts import phase_times
 from contracts.errors import SequenceFailed
 from contracts.sampling_params import SamplingParams
 from contracts.step import PLACEHOLDER, SeqStep, StepInput, StepOutput
-from kernels import select_ops
 from model_svc.attention_metadata import (
     CASCADE_MAX_TOKENS,
     AttentionMetadata,
@@ -37,6 +36,7 @@ from model_svc.sampler import Sampler, SamplingBatch, make_generator, plain_row,
 from model_svc.step_batch import flatten, longest_first
 from model_svc.transfer import PinnedStaging, to_device
 from model_svc.warmup import compile_kernels, profile_num_blocks
+from pico_kernels import select_ops
 
 if TYPE_CHECKING:
     from model_svc.cuda_graphs import DecodeGraphs, DecodeReplay
@@ -439,6 +439,6 @@ def _fused_sample(ops_name: str) -> Callable[..., torch.Tensor] | None:
     """The one-pass sampling kernel on the Triton ops (imported only there), else None."""
     if ops_name != "triton":
         return None
-    from kernels.triton_sample import gumbel_sample
+    from pico_kernels.triton_sample import gumbel_sample
 
     return gumbel_sample

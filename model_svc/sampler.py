@@ -237,7 +237,7 @@ def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | No
 class Sampler:
     """sampler(logits (B, V), batch) -> SamplerOutput.
 
-    fused: a one-pass kernel for plain temperature sampling (kernels.triton_sample), used for
+    fused: a one-pass kernel for plain temperature sampling (pico_kernels.triton_sample), used for
     batches whose sampled rows need nothing else: no top-k/top-p/min-p, penalties, logprobs
     or seeded generators. Its noise comes from Philox keyed by a per-step seed drawn from
     torch's global generator at construction, so unseeded sampling differs from the torch

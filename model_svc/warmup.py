@@ -64,7 +64,7 @@ def profile_num_blocks(
     the memory leaves after the weights and the activation peak of the largest step."""
     if device.type != "cuda":
         return max(16, cpu_bytes // block_bytes)
-    from kernels.compile_ahead import compile_ahead  # Triton is imported only where it runs
+    from pico_kernels.compile_ahead import compile_ahead  # Triton is imported only where it runs
 
     config = model.config
     n = min(max_tokens, config.max_position_embeddings)
@@ -105,14 +105,14 @@ def compile_kernels(
     block_size: int,
     rehearsals: Sequence[Callable[[], None]] = (),
 ) -> None:
-    """Compile, side by side (kernels.compile_ahead), the Triton kernels of the `rehearsals`
+    """Compile, side by side (pico_kernels.compile_ahead), the Triton kernels of the `rehearsals`
     (the CUDA graphs' work, rehearsed before their capture) and of what the graphs do not
     run: paged prefills with a long and with short new-token runs (the prefill kernel's two
     tilings; nothing written: slots -1; they read block 0, whatever it holds) and
     temperature sampling. So they compile at start-up, all at once, not one after another
     in the graphs' capture or in the middle of the first requests (a second or two each on
     a fresh machine)."""
-    from kernels.compile_ahead import compile_ahead  # Triton is imported only where it runs
+    from pico_kernels.compile_ahead import compile_ahead  # Triton is imported only where it runs
 
     with compile_ahead():
         for rehearse in rehearsals:

@@ -47,7 +47,7 @@ if has b; then
   run prefix 120 python bench/prefix.py --out "$out/prefix_h200.md"
 fi
 if has c; then
-  run kernels 150 python bench/kernels.py --flex-budget-s 30 --out "$out/kernels_h200.md"
+  run kernels 150 python bench/attention.py --flex-budget-s 30 --out "$out/kernels_h200.md"
   run linear 60 python bench/linear.py --out "$out/linear_h200.md"
   run prefix-sync 120 python bench/prefix.py --no-overlap --out "$out/prefix_h200_sync.md"
   run swap 120 python bench/swap.py --out "$out/swap_h200.md"

@@ -7,7 +7,7 @@
                     clients (kvcache_svc.client, model_svc.client) or, embedded, in process
     kvcache_svc, model_svc
     contracts       the shared layer
-    kernels, protos
+    pico_kernels, protos
 
 An import points down or within its own package, never up or sideways (ALLOWED), and no two
 product modules import each other, directly or around a loop. Every import statement counts:
@@ -28,15 +28,24 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("contracts", "scheduler_svc", "kvcache_svc", "model_svc", "http_svc", "router_svc", "kernels", "protos")
+PACKAGES = (
+    "contracts",
+    "scheduler_svc",
+    "kvcache_svc",
+    "model_svc",
+    "http_svc",
+    "router_svc",
+    "pico_kernels",
+    "protos",
+)
 SERVICES = ("scheduler_svc", "kvcache_svc", "model_svc", "http_svc", "router_svc")
 # What each package may import besides itself: the layers below it.
 ALLOWED = {
     "contracts": {"protos"},
-    "kernels": set(),
+    "pico_kernels": set(),
     "protos": set(),
     "kvcache_svc": {"contracts", "protos"},
-    "model_svc": {"contracts", "protos", "kernels"},
+    "model_svc": {"contracts", "protos", "pico_kernels"},
     "scheduler_svc": {"contracts", "protos", "kvcache_svc", "model_svc"},
     "http_svc": {"contracts", "protos"},
     "router_svc": {"contracts", "protos"},

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PRODUCT = ("contracts", "scheduler_svc", "kvcache_svc", "model_svc", "kernels", "http_svc")
+PRODUCT = ("contracts", "scheduler_svc", "kvcache_svc", "model_svc", "pico_kernels", "http_svc")
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
 

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.ops import KernelOps
 from model_svc.config import ModelConfig
 from model_svc.models.llama import LlamaForCausalLM
+from pico_kernels.ops import KernelOps
 
 if TYPE_CHECKING:
     from model_svc.parallel import TPGroup

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ops import KernelOps
 from model_svc.attention_metadata import AttentionMetadata, StepAttention
 from model_svc.config import ModelConfig
 from model_svc.layers import (
@@ -34,6 +33,7 @@ from model_svc.layers import (
     triton_module,
 )
 from model_svc.parallel import TPGroup, output_linear, vocab_embedding, vocab_rows
+from pico_kernels.ops import KernelOps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -138,7 +138,7 @@ class LlamaAttention(nn.Module):
         self, qkv: torch.Tensor, rope: RotaryInputs, kv_cache: KVCache, attn: AttentionMetadata
     ) -> torch.Tensor:
         """Decode over a shared prefix: query_and_store's work and cascade attention in the
-        cascade's two launches (kernels.triton_cascade.cascade_decode_attention_store)."""
+        cascade's two launches (pico_kernels.triton_cascade.cascade_decode_attention_store)."""
         cascade = self.cascade
         assert cascade is not None, "called when the cascade kernels fuse the store (attention())"
         q, k, v = self._heads(qkv)
@@ -244,7 +244,7 @@ class LlamaDecoderLayer(nn.Module):
         projections (LlamaModel.fold_norm_weights): no launch for either norm. o_proj and
         down_proj add to the residual stream in their epilogue and leave its rows' sums of
         squares; q|k|v and gate|up scale their rows by the norm's factor from those sums
-        (kernels.triton_splitk). Only layer 0's input norm runs as a kernel."""
+        (pico_kernels.triton_splitk). Only layer 0's input norm runs as a kernel."""
         attention, mlp = self.self_attn, self.mlp
         qkv_proj, gemv_ops = attention.qkv_proj, attention.qkv_proj.gemv_ops
         assert gemv_ops is not None, "on the Triton gemv ops only (LlamaModel.defers_norms)"

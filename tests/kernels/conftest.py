@@ -1,6 +1,6 @@
 """Kernel tests run the Triton kernels on CUDA when there is a GPU, else on CPU tensors under
 the Triton interpreter. TRITON_INTERPRET must be set before the kernels are decorated, i.e.
-before kernels.triton_ops is first imported, hence here."""
+before pico_kernels.triton_ops is first imported, hence here."""
 
 from __future__ import annotations
 

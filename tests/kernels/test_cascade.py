@@ -1,5 +1,5 @@
-"""Cascade (shared-prefix) decode attention (kernels.triton_cascade) against the plain decode
-reference, kernels.reference.paged_decode_attention_ref.
+"""Cascade (shared-prefix) decode attention (pico_kernels.triton_cascade) against the plain decode
+reference, pico_kernels.reference.paged_decode_attention_ref.
 
 Inputs as in test_kernels.py: random K/V in shuffled physical blocks, NaN everywhere a kernel
 must not read (slots past a sequence's end, blocks no sequence owns, block-table entries past
@@ -18,16 +18,16 @@ import math
 import pytest
 import torch
 
-from kernels import triton_decode
-from kernels.reference import paged_decode_attention_ref
-from kernels.triton_cascade import (
+from pico_kernels import triton_decode
+from pico_kernels.reference import paged_decode_attention_ref
+from pico_kernels.triton_cascade import (
     CascadeConfig,
     cascade_decode_attention,
     cascade_with_config,
     pick_num_chunks,
 )
-from kernels.triton_decode import DecodeConfig
-from kernels.triton_prefill import PrefillConfig
+from pico_kernels.triton_decode import DecodeConfig
+from pico_kernels.triton_prefill import PrefillConfig
 from tests.kernels.test_kernels import cdiv, make_query, nan_like
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -10,10 +10,10 @@ import dataclasses
 import numpy as np
 
 from contracts.step import PLACEHOLDER, SeqStep, StepInput
-from kernels.ops import REFERENCE_OPS
 from model_svc.attention_metadata import CASCADE_MIN_SEQS, CASCADE_MIN_TOKENS, shared_prefix_blocks
 from model_svc.loader import BUNDLED_MODEL_DIR
 from model_svc.runner import ModelRunner
+from pico_kernels.ops import REFERENCE_OPS
 from scheduler_svc import SamplingParams
 
 
@@ -34,7 +34,7 @@ def test_shared_prefix_blocks_rule():
 
 
 def test_runner_takes_cascade_for_a_shared_prefix_and_matches_plain_decode():
-    from kernels.triton_cascade import cascade_decode_attention
+    from pico_kernels.triton_cascade import cascade_decode_attention
 
     calls = []
 

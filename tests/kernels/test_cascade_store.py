@@ -1,4 +1,4 @@
-"""cascade_decode_attention_store (kernels.triton_cascade): the prefix launch that also norms and
+"""cascade_decode_attention_store (pico_kernels.triton_cascade): the prefix launch that also norms and
 rotates q and writes the step's K/V must give, to the bit, what qk_norm_rope_store followed by
 cascade attention gives: the same output and the same caches.
 
@@ -17,17 +17,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton_cascade import (
+from model_svc.layers import RotaryEmbedding
+from pico_kernels.triton_cascade import (
     CascadeConfig,
     StepKV,
     cascade_decode_attention_store,
     cascade_with_config,
     fuses_store,
 )
-from kernels.triton_decode import DecodeConfig
-from kernels.triton_fused import qk_norm_rope_store
-from kernels.triton_prefill import PrefillConfig
-from model_svc.layers import RotaryEmbedding
+from pico_kernels.triton_decode import DecodeConfig
+from pico_kernels.triton_fused import qk_norm_rope_store
+from pico_kernels.triton_prefill import PrefillConfig
 from tests.kernels.test_cascade import make_shared_prefix_kv
 from tests.kernels.test_fused import _qkv_views, _randn
 

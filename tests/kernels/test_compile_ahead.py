@@ -1,4 +1,4 @@
-"""kernels.compile_ahead on the GPU: a rehearsal launches no uncompiled kernel, the block's
+"""pico_kernels.compile_ahead on the GPU: a rehearsal launches no uncompiled kernel, the block's
 exit compiles each one once, and what follows (a runner's graph capture, its first
 requests) compiles nothing more."""
 
@@ -13,8 +13,8 @@ import triton.language as tl
 from triton import knobs
 
 from contracts.sampling_params import SamplingParams
-from kernels.compile_ahead import compile_ahead
 from model_svc.loader import BUNDLED_MODEL_DIR
+from pico_kernels.compile_ahead import compile_ahead
 
 pytestmark = pytest.mark.gpu
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.triton_linear as triton_linear
-from kernels.ops import REFERENCE_OPS
-from kernels.triton_ops import TRITON_OPS
+import pico_kernels.triton_linear as triton_linear
 from model_svc.config import ModelConfig
 from model_svc.loader import build_random_model
+from pico_kernels.ops import REFERENCE_OPS
+from pico_kernels.triton_ops import TRITON_OPS
 from tests.model.paged_sim import PagedSim
 
 CONFIG = dict(

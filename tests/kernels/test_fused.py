@@ -1,4 +1,4 @@
-"""The fused elementwise kernels (kernels.triton_fused) against their torch references, and a
+"""The fused elementwise kernels (pico_kernels.triton_fused) against their torch references, and a
 tiny Qwen3 whose forward uses them against the same model on the torch ops.
 
 Inputs are random (never zeros); q/k are strided head views of a fused qkv projection, as in
@@ -12,13 +12,13 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import select_ops
-from kernels.ops import REFERENCE_OPS
-from kernels.reference import qk_norm_rope_ref, qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref
-from kernels.triton_fused import heads_per_program, qk_norm_rope, qk_norm_rope_store, rms_norm, silu_and_mul
-from kernels.triton_store import store_kvcache
 from model_svc.config import RopeScaling
 from model_svc.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from pico_kernels import select_ops
+from pico_kernels.ops import REFERENCE_OPS
+from pico_kernels.reference import qk_norm_rope_ref, qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref
+from pico_kernels.triton_fused import heads_per_program, qk_norm_rope, qk_norm_rope_store, rms_norm, silu_and_mul
+from pico_kernels.triton_store import store_kvcache
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -264,7 +264,7 @@ def test_empty_batch(device):
 @torch.no_grad()
 def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
     pytest.importorskip("transformers")
-    from kernels import triton_fused
+    from pico_kernels import triton_fused
 
     fused_names = ("rms_norm", "qk_norm_rope", "qk_norm_rope_store", "silu_and_mul")
     calls = {name: 0 for name in (*fused_names, "store_kvcache")}
@@ -278,7 +278,7 @@ def test_tiny_qwen3_fused_matches_torch(device, dtype, monkeypatch):
 
     for name in fused_names:  # count launches: every layer must take the fused path, not just hold it
         monkeypatch.setattr(triton_fused, name, counting(getattr(triton_fused, name), name))
-    from kernels import triton_linear
+    from pico_kernels import triton_linear
 
     for name in ("gemv", "rms_norm_gemv"):
         calls[name] = 0

@@ -1,4 +1,4 @@
-"""Every Triton kernel against its torch reference (kernels.reference).
+"""Every Triton kernel against its torch reference (pico_kernels.reference).
 
 Inputs are random (never zeros). Anything a kernel must not read holds NaN: slots past a
 sequence's end, blocks no sequence owns, and block-table entries past a sequence's last block
@@ -19,10 +19,10 @@ import math
 import pytest
 import torch
 
-from kernels import select_ops, triton_decode
-from kernels.ops import REFERENCE_OPS
-from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kvcache_ref
-from kernels.triton_ops import (
+from pico_kernels import select_ops, triton_decode
+from pico_kernels.ops import REFERENCE_OPS
+from pico_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kvcache_ref
+from pico_kernels.triton_ops import (
     TRITON_OPS,
     DecodeConfig,
     PrefillConfig,
@@ -142,7 +142,7 @@ def test_batch_one_decode_takes_small_programs(monkeypatch):
     """On a GPU one sequence under PDL gets 16-token tiles on 2 warps and ~6 programs an SM
     (99 splits of a 32k bound on 132 SMs); larger batches, and batch 1 launched without PDL,
     keep 64-token tiles and ~2 an SM."""
-    from kernels import triton_decode
+    from pico_kernels import triton_decode
 
     monkeypatch.setattr(triton_decode, "interpreting", lambda: False)
     one = triton_decode.default_decode_config(torch.bfloat16, 128, batch=1, pdl=True)
@@ -375,7 +375,7 @@ def test_prefill_tiles_follow_the_longest_new_token_run(monkeypatch):
     """On a GPU, 16-bit: 64-row tiles when no sequence brings more than 64 new tokens, the
     128 x 128 tiles otherwise or when the longest run is unknown (0); fp32 and the interpreter
     keep their own tiles."""
-    import kernels.triton_prefill as tp
+    import pico_kernels.triton_prefill as tp
 
     monkeypatch.setattr(tp, "interpreting", lambda: False)
     bf16 = torch.bfloat16

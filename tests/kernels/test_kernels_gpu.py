@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kvcache_ref
-from kernels.triton_ops import TRITON_OPS, store_kvcache
+from pico_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kvcache_ref
+from pico_kernels.triton_ops import TRITON_OPS, store_kvcache
 from tests.kernels.test_kernels import (
     assert_matches,
     make_paged_kv,
@@ -38,7 +38,7 @@ def test_gpu_decode_production_shapes(dtype, block_size, head_dim, heads):
 @pytest.mark.parametrize("block_size,head_dim,heads", PRODUCTION_SHAPES)
 def test_gpu_decode_one_sequence(seq_len, block_size, head_dim, heads):
     """Batch 1 under PDL has its own tiles and split count (triton_decode.default_decode_config)."""
-    from kernels.triton_common import pdl_scope
+    from pico_kernels.triton_common import pdl_scope
 
     with pdl_scope(True):
         run_decode_case(torch.device("cuda"), torch.bfloat16, [seq_len], block_size, head_dim, heads)

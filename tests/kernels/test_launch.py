@@ -1,11 +1,11 @@
-"""Launch-time choices shared by the kernels (kernels.triton_common)."""
+"""Launch-time choices shared by the kernels (pico_kernels.triton_common)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.triton_common import PDL_ENV, pdl_scope, pdl_wanted, use_pdl
+from pico_kernels.triton_common import PDL_ENV, pdl_scope, pdl_wanted, use_pdl
 
 
 def test_programmatic_dependent_launch_policy(monkeypatch):

@@ -1,4 +1,4 @@
-"""The small-batch projections (kernels.triton_linear) against F.linear: one to four rows, any
+"""The small-batch projections (pico_kernels.triton_linear) against F.linear: one to four rows, any
 N and K (partial tiles), with and without bias, strided rows, and the fused SiLU-and-mul and
 RMSNorm inputs against their separate kernels; the gate|up projection with SiLU-and-mul in its
 epilogue against the two separate steps."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import rms_norm_ref, silu_and_mul_ref
-from kernels.triton_linear import (
+from pico_kernels.reference import rms_norm_ref, silu_and_mul_ref
+from pico_kernels.triton_linear import (
     GEMV_MAX_ROWS,
     gemv,
     gemv_shape,

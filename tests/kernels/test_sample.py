@@ -1,4 +1,4 @@
-"""The one-pass Gumbel-max sampler (kernels.triton_sample) and the Sampler's dispatch to it."""
+"""The one-pass Gumbel-max sampler (pico_kernels.triton_sample) and the Sampler's dispatch to it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from contracts.sampling_params import SamplingParams
-from kernels.triton_sample import gumbel_sample, pick_num_chunks
 from model_svc.sampler import Sampler, SamplingBatch, make_generator
+from pico_kernels.triton_sample import gumbel_sample, pick_num_chunks
 
 PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.02])
 ORDER = torch.tensor([3, 0, 6, 1, 5, 2, 4])  # token id of each entry of PROBS

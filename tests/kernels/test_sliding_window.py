@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
-from kernels.triton_ops import DecodeConfig, PrefillConfig, decode_with_config, prefill_with_config
+from pico_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
+from pico_kernels.triton_ops import DecodeConfig, PrefillConfig, decode_with_config, prefill_with_config
 from tests.kernels.test_kernels import assert_matches, make_paged_kv, make_query, nan_like
 
 WINDOWS = [1, 5, 37, 500]  # one token, under a page, several pages, past every sequence

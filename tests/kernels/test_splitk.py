@@ -1,4 +1,4 @@
-"""The split-K projection (kernels.triton_splitk) against F.linear: tiles and K slices that do
+"""The split-K projection (pico_kernels.triton_splitk) against F.linear: tiles and K slices that do
 not divide the shapes, bias, strided rows; the same bits on every call whatever order the
 slices finish in; the ticket counters left at zero; and where the model takes it."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import rms_norm_ref
-from kernels.triton_decode import arrival_counters
-from kernels.triton_splitk import splitk_add_residual, splitk_config, splitk_linear, use_splitk_linear
+from pico_kernels.reference import rms_norm_ref
+from pico_kernels.triton_decode import arrival_counters
+from pico_kernels.triton_splitk import splitk_add_residual, splitk_config, splitk_linear, use_splitk_linear
 from tests.kernels.test_linear import DTYPES, check
 
 

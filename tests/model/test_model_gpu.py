@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from contracts.sampling_params import SamplingParams
-from kernels import select_ops
-from kernels.ops import REFERENCE_OPS
 from model_svc.loader import BUNDLED_MODEL_DIR, load_model
 from model_svc.sampler import Sampler, SamplingBatch, make_generator
+from pico_kernels import select_ops
+from pico_kernels.ops import REFERENCE_OPS
 from tests.model.paged_sim import PagedSim
 from tests.model.tiny_models import make_tiny_hf_model
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from contracts.tokenizer import load_tokenizer
-from kernels.ops import REFERENCE_OPS
 from model_svc.config import ModelConfig
 from model_svc.loader import (
     BUNDLED_MODEL_DIR,
@@ -20,6 +19,7 @@ from model_svc.loader import (
     save_model,
 )
 from model_svc.models import build_model
+from pico_kernels.ops import REFERENCE_OPS
 from tests.model.paged_sim import PagedSim
 from tests.model.tiny_models import make_tiny_hf_model, tiny_hf_config
 

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from kernels.ops import REFERENCE_OPS
 from model_svc.loader import BUNDLED_MODEL_DIR, load_model
+from pico_kernels.ops import REFERENCE_OPS
 from tests.model.paged_sim import PagedSim
 from tests.model.tiny_models import make_tiny_hf_model
 

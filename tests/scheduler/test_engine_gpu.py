@@ -185,12 +185,12 @@ def test_programmatic_dependent_launch_changes_no_token(monkeypatch):
 def test_cascade_with_fused_store_equals_separate_launches(tmp_path, monkeypatch):
     """A tiny Qwen3 (head_dim 64, q/k norm, GQA) decoding over a shared prefix: the cascade
     graphs, whose prefix launch also norms q/k and writes the step's K/V
-    (kernels.triton_cascade.cascade_decode_attention_store), give the greedy tokens of eager
+    (pico_kernels.triton_cascade.cascade_decode_attention_store), give the greedy tokens of eager
     decode with the separate qk_norm_rope_store launch before the cascade."""
     import random
 
-    from kernels import triton_cascade
     from model_svc.models.llama import LlamaAttention
+    from pico_kernels import triton_cascade
     from tests.model.tiny_models import make_tiny_hf_model
 
     path = str(make_tiny_hf_model(tmp_path, "qwen3"))

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import cdiv, interpreting, next_pow2, num_sms
+from pico_kernels.triton_common import cdiv, interpreting, next_pow2, num_sms
 
 PROGRAMS_PER_SM = 4  # resident programs of 8 warps per SM, enough to hide Philox and the loads
 BLOCK = 2048  # columns per loop step on a GPU

@@ -12,7 +12,7 @@ next launch (so the counters live across launches and CUDA graph replays; see
 last `window` tokens only: the splits cut that, and no earlier table entry is read.
 
 Contract: `paged_decode_attention` has the signature and semantics of
-`kernels.reference.paged_decode_attention_ref`.
+`pico_kernels.reference.paged_decode_attention_ref`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (
+from pico_kernels.triton_common import (
     LOG2E,
     cdiv,
     dot_precision,
@@ -54,7 +54,7 @@ class DecodeConfig:
     block_n: int  # context tokens per loop step (any multiple of 16; pages may be smaller or larger)
     num_warps: int
     num_stages: int
-    split_p: bool = True  # bf16: P @ V with P as two bf16 terms (kernels.triton_common.mma_pv)
+    split_p: bool = True  # bf16: P @ V with P as two bf16 terms (pico_kernels.triton_common.mma_pv)
     programs_per_sm: float = PROGRAMS_PER_SM  # the launch pick_num_splits aims at
 
 
@@ -371,5 +371,5 @@ def paged_decode_attention(
     scale: float,
     window: int = 0,  # sliding window (0: full attention)
 ) -> torch.Tensor:  # (B, Hq, D), dtype of q
-    """Triton version of kernels.reference.paged_decode_attention_ref."""
+    """Triton version of pico_kernels.reference.paged_decode_attention_ref."""
     return decode_with_config(q, k_cache, v_cache, block_tables, seq_lens, scale, window=window)

@@ -189,7 +189,7 @@ def mask_and(mask, cond):
 def row_rstd(sums_ptr, offs_m, m_mask, num_parts, hidden, eps, PARTS: tl.constexpr):
     """RMSNorm's 1 / sqrt(mean(x^2) + eps) of rows offs_m, from their sums of squares in
     num_parts parts (row-major (rows, num_parts) fp32, PARTS >= num_parts a power of two):
-    the deferred norm's scale (kernels.triton_splitk)."""
+    the deferred norm's scale (pico_kernels.triton_splitk)."""
     offs_p = tl.arange(0, PARTS)
     sums = tl.load(
         sums_ptr + offs_m[:, None] * num_parts + offs_p[None, :],

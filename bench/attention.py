@@ -1,6 +1,6 @@
 """Kernel benchmarks on the GPU: BENCHMARKS.md sections 1 (decode) and 2 (prefill).
 
-    python bench/kernels.py [--quick] [--out bench/results/kernels_h200.md]
+    python bench/attention.py [--quick] [--out bench/results/kernels_h200.md]
 
 One run measures the two ceilings itself (device-to-device copy bandwidth, bf16 matmul rate),
 checks every Triton kernel against its torch reference at full size, times paged decode
@@ -22,9 +22,6 @@ from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Run as a script, this file's folder comes first on sys.path and its own name would shadow
-# the `kernels` package: put the repository first instead.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
@@ -50,13 +47,13 @@ from bench.kernel_setup import (  # noqa: E402
     rel_err,
     run_section,
 )
-from kernels.reference import (  # noqa: E402
+from pico_kernels.reference import (  # noqa: E402
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     store_kvcache_ref,
 )
-from kernels.triton_decode import default_decode_config  # noqa: E402
-from kernels.triton_ops import (  # noqa: E402
+from pico_kernels.triton_decode import default_decode_config  # noqa: E402
+from pico_kernels.triton_ops import (  # noqa: E402
     TRITON_OPS,
     DecodeConfig,
     PrefillConfig,
@@ -64,7 +61,7 @@ from kernels.triton_ops import (  # noqa: E402
     pick_num_splits,
     prefill_with_config,
 )
-from kernels.triton_prefill import default_prefill_config  # noqa: E402
+from pico_kernels.triton_prefill import default_prefill_config  # noqa: E402
 
 PROMPT, CACHED = 4096, 3072  # prefill: a 4k-token prompt, with 0 and with 3k tokens cached
 BATCHES = [1, 8, 32, 128, 256]
@@ -371,7 +368,7 @@ def main() -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
-        "command": " ".join(["python", "bench/kernels.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "bench/attention.py", *sys.argv[1:]]),
     }
 
     out_path = Path(args.out)

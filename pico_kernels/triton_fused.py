@@ -1,13 +1,13 @@
 """Fused Triton kernels for the elementwise work around the projections of a decoder layer.
 
-    rms_norm            (residual add +) RMSNorm of a row          ref: kernels.reference.rms_norm_ref
-    qk_norm_rope        per-head q/k RMSNorm (Qwen3) + neox rotary ref: kernels.reference.qk_norm_rope_ref
-    qk_norm_rope_store  qk_norm_rope, k and v into the paged cache ref: kernels.reference.qk_norm_rope_store_ref
-    silu_and_mul        silu(gate) * up of a [gate | up] row       ref: kernels.reference.silu_and_mul_ref
+    rms_norm            (residual add +) RMSNorm of a row          ref: pico_kernels.reference.rms_norm_ref
+    qk_norm_rope        per-head q/k RMSNorm (Qwen3) + neox rotary ref: pico_kernels.reference.qk_norm_rope_ref
+    qk_norm_rope_store  qk_norm_rope, k and v into the paged cache ref: pico_kernels.reference.qk_norm_rope_store_ref
+    silu_and_mul        silu(gate) * up of a [gate | up] row       ref: pico_kernels.reference.silu_and_mul_ref
 
 In torch each of these is a chain of 5-15 tiny kernels (casts, pow, mean, rsqrt, mul, cat, ...);
 here each is one launch. With a cache a decoder layer runs qk_norm_rope_store, which also does
-the work of kernels.triton_store (otherwise a launch of its own for a few hundred bytes at
+the work of pico_kernels.triton_store (otherwise a launch of its own for a few hundred bytes at
 decode); qk_norm_rope serves the forward without a cache (profiling).
 
 Math is fp32, and every place where the torch path rounds to the activation dtype (a bf16 op's
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (
+from pico_kernels.triton_common import (
     cdiv,
     fix_bf16_rounding,
     next_pow2,

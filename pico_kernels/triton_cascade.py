@@ -12,7 +12,7 @@ K/V once per sequence; here it is read once per step for the whole batch.
    (no mask between queries and keys: every sequence sees the whole prefix). Each program
    writes its rows' normalised partial output and log-sum-exp (fp32) to scratch.
 2. Suffix kernel, grid (splits, KV heads, sequences): the split-KV decode of
-   kernels.triton_decode over each sequence's own tokens [prefix_blocks * page, seq_len), GQA
+   pico_kernels.triton_decode over each sequence's own tokens [prefix_blocks * page, seq_len), GQA
    heads packed per KV head, partials written beside the prefix ones. The program of a
    (sequence, KV head) that finishes last (an arrival counter, as in triton_decode; with one
    split there is only that program) combines the group's prefix and suffix partials by
@@ -31,14 +31,14 @@ chunk programs for the bound, and chunks have a minimum length, so a shorter pre
 the last chunk programs empty: they return at once).
 
 Contract: `cascade_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-prefix_blocks, max_prefix_blocks)` returns what `kernels.reference.paged_decode_attention_ref`
+prefix_blocks, max_prefix_blocks)` returns what `pico_kernels.reference.paged_decode_attention_ref`
 returns for the first six arguments, given that the first prefix_blocks entries of every row
 of block_tables are equal and prefix_blocks * page <= min(seq_lens).
 
 The model runner calls it for decode batches that share enough leading blocks
 (model_svc.attention_metadata.shared_prefix_blocks), through
 `cascade_decode_attention_store`: the same two launches, the prefix kernel's programs also
-doing kernels.triton_fused.qk_norm_rope_store's work for the step (each norms and rotates
+doing pico_kernels.triton_fused.qk_norm_rope_store's work for the step (each norms and rotates
 its own q rows from the projection's output; one program per row tile and KV head writes
 those rows for the suffix kernel, another the new K and V), so a layer's decode attention
 needs no launch of its own for them.
@@ -51,9 +51,9 @@ from typing import Any
 
 import torch
 
-from kernels.triton_cascade_kernels import prefix_kernel, suffix_kernel
-from kernels.triton_cascade_store import StepKV, fuses_store  # this module's API too
-from kernels.triton_common import (
+from pico_kernels.triton_cascade_kernels import prefix_kernel, suffix_kernel
+from pico_kernels.triton_cascade_store import StepKV, fuses_store  # this module's API too
+from pico_kernels.triton_common import (
     LOG2E,
     cdiv,
     dot_precision,
@@ -65,7 +65,7 @@ from kernels.triton_common import (
     split_p,
     upcast_dot,
 )
-from kernels.triton_decode import (
+from pico_kernels.triton_decode import (
     MAX_SPLITS,
     PROGRAMS_PER_SM,
     DecodeConfig,
@@ -73,8 +73,8 @@ from kernels.triton_decode import (
     default_decode_config,
     pick_num_splits,
 )
-from kernels.triton_fused import cast_needs_fix
-from kernels.triton_prefill import PrefillConfig
+from pico_kernels.triton_fused import cast_needs_fix
+from pico_kernels.triton_prefill import PrefillConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,7 @@ def default_cascade_config(dtype: torch.dtype, head_dim: int) -> CascadeConfig:
     The suffix kernel reads each sequence's own few tokens (the decode steps since the
     prompt): 16-bit, head dims up to 128, 32-token tiles and two stages, faster there than
     decode's 64-token tiles and five stages, whose pipeline prologue is made for long
-    contexts. Otherwise decode's tiles (kernels.triton_decode.default_decode_config). The
+    contexts. Otherwise decode's tiles (pico_kernels.triton_decode.default_decode_config). The
     measurements: bench/NOTES.md, "Figures behind the code's choices"."""
     suffix = default_decode_config(dtype, head_dim)
     block_d = max(16, next_pow2(head_dim))
@@ -306,7 +306,7 @@ def cascade_decode_attention(
     max_prefix_blocks: int,  # host-known upper bound of prefix_blocks (sizes the grid; e.g. W)
     out: torch.Tensor | None = None,  # (B, Hq, D), contiguous; allocated when None
 ) -> torch.Tensor:  # (B, Hq, D), dtype of q
-    """kernels.reference.paged_decode_attention_ref, reading the shared prefix once."""
+    """pico_kernels.reference.paged_decode_attention_ref, reading the shared prefix once."""
     return cascade_with_config(
         q, k_cache, v_cache, block_tables, seq_lens, scale, prefix_blocks, max_prefix_blocks, out=out
     )
@@ -324,7 +324,7 @@ def cascade_decode_attention_store(
     max_prefix_blocks: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (B, Hq, D), dtype of q
-    """kernels.triton_fused.qk_norm_rope_store, then cascade_decode_attention, in the two
+    """pico_kernels.triton_fused.qk_norm_rope_store, then cascade_decode_attention, in the two
     launches of the latter: the prefix kernel's programs also norm and rotate q (each its own
     rows; one per row tile writes them for the suffix kernel) and write the step's K and V, so
     a layer's decode attention takes one launch fewer. The new tokens' slots lie outside the

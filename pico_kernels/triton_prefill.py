@@ -21,7 +21,7 @@ never read. With a sliding window a first phase comes before them: the tiles acr
 window's lower edge (masked); keys before the first row's window are never read.
 
 Contract: `paged_prefill_attention` has the signature and semantics of
-`kernels.reference.paged_prefill_attention_ref`.
+`pico_kernels.reference.paged_prefill_attention_ref`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (
+from pico_kernels.triton_common import (
     LOG2E,
     dot_precision,
     fix_bf16_rounding,
@@ -55,7 +55,7 @@ class PrefillConfig:
     block_n: int  # key tokens per loop step
     num_warps: int
     num_stages: int
-    # bf16: P @ V with P as two bf16 terms (kernels.triton_common.mma_pv). Off by default here:
+    # bf16: P @ V with P as two bf16 terms (pico_kernels.triton_common.mma_pv). Off by default here:
     # prefill is tensor-core bound and the second product costs a third of its speed
     # (bench/results/kernels_h200.md).
     split_p: bool = False
@@ -302,7 +302,7 @@ def paged_prefill_attention(
     max_query_len: int = 0,  # the most new tokens of one sequence if known (0: not): picks the tiles
     window: int = 0,  # sliding window (0: full attention)
 ) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
-    """Triton version of kernels.reference.paged_prefill_attention_ref."""
+    """Triton version of pico_kernels.reference.paged_prefill_attention_ref."""
     return prefill_with_config(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len=max_query_len, window=window
     )

@@ -1,14 +1,14 @@
 """Kernels for the model service: each fast path sits beside its plain-torch reference.
 
 `select_ops(device)` is called once at start-up: Triton kernels on CUDA, the torch
-references elsewhere (or when asked for by name). The operations: kernels.ops.KernelOps.
+references elsewhere (or when asked for by name). The operations: pico_kernels.ops.KernelOps.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.ops import REFERENCE_OPS, KernelOps
+from pico_kernels.ops import REFERENCE_OPS, KernelOps
 
 
 def select_ops(device: torch.device | str, backend: str | None = None) -> KernelOps:
@@ -19,7 +19,7 @@ def select_ops(device: torch.device | str, backend: str | None = None) -> Kernel
     if backend == "torch":
         return REFERENCE_OPS
     if backend == "triton":
-        from kernels.triton_ops import TRITON_OPS
+        from pico_kernels.triton_ops import TRITON_OPS
 
         return TRITON_OPS
     raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")

@@ -1,4 +1,4 @@
-"""The two kernels of the cascade decode attention (kernels.triton_cascade, whose docstring
+"""The two kernels of the cascade decode attention (pico_kernels.triton_cascade, whose docstring
 describes them): the prefix kernel, which reads the shared prefix once for the whole batch
 (and, with the store, norms the step's q and writes its K and V), and the suffix kernel, which
 reads each sequence's own tokens and combines both sides' partials.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton_cascade_store import normed_query_rows, store_kv_rows
-from kernels.triton_common import load_rows, pdl_prologue
-from kernels.triton_decode import attend_pages, combine_group
+from pico_kernels.triton_cascade_store import normed_query_rows, store_kv_rows
+from pico_kernels.triton_common import load_rows, pdl_prologue
+from pico_kernels.triton_decode import attend_pages, combine_group
 
 
 @triton.jit

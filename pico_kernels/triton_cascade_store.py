@@ -1,8 +1,8 @@
-"""The step's q/k norm + rotary + K/V store (kernels.triton_fused.qk_norm_rope_store's work)
-as the cascade's prefix kernel does it (kernels.triton_cascade.cascade_decode_attention_store):
+"""The step's q/k norm + rotary + K/V store (pico_kernels.triton_fused.qk_norm_rope_store's work)
+as the cascade's prefix kernel does it (pico_kernels.triton_cascade.cascade_decode_attention_store):
 its inputs (StepKV), the head sizes it takes (fuses_store), and the jit helpers that work on
 the prefix kernel's rows, (sequence, query head) pairs of one KV head, with
-kernels.triton_fused's per-head norm, rotary and row copies, to the same bits."""
+pico_kernels.triton_fused's per-head norm, rotary and row copies, to the same bits."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import round_to
-from kernels.triton_fused import copy_rows, norm_rope_halves, norm_rope_rows
+from pico_kernels.triton_common import round_to
+from pico_kernels.triton_fused import copy_rows, norm_rope_halves, norm_rope_rows
 
 
 @dataclass(frozen=True, slots=True)
 class StepKV:
-    """What kernels.triton_fused.qk_norm_rope_store takes besides q and the caches: this step's
+    """What pico_kernels.triton_fused.qk_norm_rope_store takes besides q and the caches: this step's
     k and v (views into the qkv projection's output), the rotary positions and cache, the
     per-head norm weights (None without) and the slots. Given to cascade_with_config, the
     prefix kernel's launch also does that kernel's work (cascade_decode_attention_store)."""

@@ -153,7 +153,7 @@ def paged_prefill_attention_ref(
     return out
 
 
-# ---- fused elementwise ops (kernels.triton_fused): the exact math of model_svc.layers ----
+# ---- fused elementwise ops (pico_kernels.triton_fused): the exact math of model_svc.layers ----
 
 
 def rms_norm_ref(

@@ -1,7 +1,7 @@
 """Write new tokens' K and V into the paged caches (Triton).
 
 Contract: `store_kvcache` has the signature and semantics of
-`kernels.reference.store_kvcache_ref`: token n goes to slot slot_mapping[n] (block
+`pico_kernels.reference.store_kvcache_ref`: token n goes to slot slot_mapping[n] (block
 slot // block_size, offset slot % block_size) of both caches; a negative slot is skipped.
 """
 
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import next_pow2
+from pico_kernels.triton_common import next_pow2
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def store_kvcache(
     v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
     slot_mapping: torch.Tensor,  # (N,) int64; slot = block_id * block_size + offset; -1 = skip
 ) -> None:
-    """Triton version of kernels.reference.store_kvcache_ref (in place)."""
+    """Triton version of pico_kernels.reference.store_kvcache_ref (in place)."""
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return

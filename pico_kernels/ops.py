@@ -1,8 +1,8 @@
 """KernelOps: the paged-cache operations the model code calls, one implementation per backend;
-REFERENCE_OPS: the plain-torch references (kernels.reference), which define them.
+REFERENCE_OPS: the plain-torch references (pico_kernels.reference), which define them.
 
-A module of its own so that kernels.triton_ops can build its KernelOps without importing the
-package's select_ops, which imports kernels.triton_ops.
+A module of its own so that pico_kernels.triton_ops can build its KernelOps without importing the
+package's select_ops, which imports pico_kernels.triton_ops.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import (
+from pico_kernels.reference import (
     cascade_decode_attention_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
@@ -22,7 +22,7 @@ from kernels.reference import (
 
 @dataclass(frozen=True, slots=True)
 class KernelOps:
-    """The paged-cache operations the model code calls; signatures as in kernels.reference."""
+    """The paged-cache operations the model code calls; signatures as in pico_kernels.reference."""
 
     name: str
     store_kvcache: Callable[..., None]

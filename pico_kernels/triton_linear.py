@@ -11,14 +11,14 @@ elementwise kernel before a projection into it: SiLU-and-mul before down_proj, a
 decoder layer's residual add + RMSNorm before q|k|v and gate|up (`rms_norm_gemv`).
 
 At tens of rows `silu_mul_linear` is the MLP's gate|up projection on tensor cores with
-SiLU-and-mul in its epilogue (a launch saved), and kernels.triton_splitk's `splitk_linear`
+SiLU-and-mul in its epilogue (a launch saved), and pico_kernels.triton_splitk's `splitk_linear`
 (re-exported here, the model's one entry point) takes o_proj and down_proj, whose narrow
 outputs leave cuBLAS few tiles.
 
 Contract: `gemv(x, weight, bias)` equals `torch.nn.functional.linear(x, weight, bias)` (fp32
 accumulation, one rounding at the end) for one to GEMV_MAX_ROWS rows; the fused variants equal
-kernels.triton_fused's kernel followed by it. `silu_mul_linear(x, weight)` equals
-kernels.triton_fused.silu_and_mul(linear(x, weight)) the same way, for up to 64 rows.
+pico_kernels.triton_fused's kernel followed by it. `silu_mul_linear(x, weight)` equals
+pico_kernels.triton_fused.silu_and_mul(linear(x, weight)) the same way, for up to 64 rows.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (
+from pico_kernels.triton_common import (
     cdiv,
     dot_precision,
     fix_bf16_rounding,
@@ -42,7 +42,7 @@ from kernels.triton_common import (
     row_rstd,
     upcast_dot,
 )
-from kernels.triton_splitk import SPLITK_ROWS, splitk_add_residual, splitk_linear, use_splitk_linear  # noqa: F401  (the module is the model's entry point)
+from pico_kernels.triton_splitk import SPLITK_ROWS, splitk_add_residual, splitk_linear, use_splitk_linear  # noqa: F401  (the module is the model's entry point)
 
 GEMV_MAX_ROWS = 4
 GEMV_ELEMS_PER_THREAD = 64  # weight elements each thread loads per step (32 registers of bf16 pairs)
@@ -118,7 +118,7 @@ def _gemv_kernel(
                 up = tl.load(x_row + K, mask=xm, other=0.0).to(tl.float32)
                 silu = round_to(gate / (1.0 + tl.exp(-gate)), dt, FIX_BF16).to(tl.float32)
                 x = round_to(silu * up, dt, FIX_BF16).to(tl.float32)
-            elif NORM:  # as kernels.triton_fused.rms_norm: round(round(h * rstd) * weight)
+            elif NORM:  # as pico_kernels.triton_fused.rms_norm: round(round(h * rstd) * weight)
                 h = _norm_input(x_row, res_ptr + r * stride_rm + k, xm, HAS_RESIDUAL, dt, FIX_BF16)
                 if HAS_RESIDUAL:
                     tl.store(new_res_ptr + r * stride_nrm + k, h.to(dt), mask=mask_and(xm, pid == 0))
@@ -175,7 +175,7 @@ def rms_norm_gemv(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (M, N) output, (M, K) new residual
     """linear(RMSNorm(x + residual)) in one launch, with the new residual x + residual (x
-    itself without a residual), as kernels.triton_fused.rms_norm followed by gemv: the
+    itself without a residual), as pico_kernels.triton_fused.rms_norm followed by gemv: the
     decoder layer's input and post-attention norms at decode batch sizes."""
     assert x.shape[1] == weight.shape[1] == norm_weight.shape[0] and x.stride(-1) == 1
     assert norm_weight.dtype == x.dtype, "the fused norm rounds its product to the activation dtype"
@@ -262,7 +262,7 @@ def _silu_mul_linear_kernel(
     products over the same input tiles, then silu(gate) * up, each value rounded where the
     separate kernels round it (gate and up as the projection's output, the SiLU, the
     product). ROW_SCALE: the rows' RMSNorm factors scale both products first (the deferred
-    norm, see kernels.triton_splitk.splitk_linear)."""
+    norm, see pico_kernels.triton_splitk.splitk_linear)."""
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)

@@ -9,7 +9,7 @@ of K (a grid of tiles x SPLIT), writes its fp32 partial sums to a workspace and 
 ticket; the tile's last program to arrive adds the SPLIT partials in slice order (so the
 result does not depend on who arrives last), rounds once and stores the tile, then puts the
 ticket counter back to zero for the next launch. One launch, no memset, no second kernel. The
-tickets are the decode kernel's arrival counters (kernels.triton_decode.arrival_counters):
+tickets are the decode kernel's arrival counters (pico_kernels.triton_decode.arrival_counters):
 every launch of either leaves them at zero.
 
 The same kernel carries a decoder layer's deferred norms (model_svc.models.llama,
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (
+from pico_kernels.triton_common import (
     cdiv,
     dot_precision,
     fix_bf16_rounding,
@@ -46,7 +46,7 @@ from kernels.triton_common import (
     row_rstd,
     upcast_dot,
 )
-from kernels.triton_decode import arrival_counters
+from pico_kernels.triton_decode import arrival_counters
 
 SPLITK_ROWS = (33, 64)  # the row counts it takes (see use_splitk_linear)
 
@@ -197,7 +197,7 @@ def splitk_add_residual(
     block_n: int | None = None,
 ) -> torch.Tensor:  # (M, tiles) fp32
     """residual += x @ W^T (+ bias), in place, each value rounded as the projection's output
-    and then as the fused norm's residual add (kernels.triton_fused.rms_norm). Returns the new
+    and then as the fused norm's residual add (pico_kernels.triton_fused.rms_norm). Returns the new
     residual rows' sums of squares, one part per output tile: the row_sums of the next
     projection, which then normalises in its epilogue instead of a norm launch in between."""
     assert residual.shape == (x.shape[0], weight.shape[0]) and residual.dtype == x.dtype and residual.stride(-1) == 1, (
