@@ -163,6 +163,16 @@ def test_image_runs_as_a_non_root_user():
     assert users[-1].split(":")[0] not in ("root", "0")
 
 
+def test_image_holds_every_package_of_the_distribution():
+    """`pip install .` in the image installs what it finds: a package the Dockerfile does not
+    copy is missing from the image (the fleet profile's router ran `serve router` there)."""
+    find = re.search(r"\[tool\.setuptools\.packages\.find\]\ninclude = \[(.*)\]", (REPO / "pyproject.toml").read_text())
+    packages = set(re.findall(r'"(\w+)\*"', find.group(1)))
+    assert "model_svc" in packages, find.group(0)
+    copied = {line.split()[1] for line in DOCKERFILE.read_text().splitlines() if line.startswith("COPY ")}
+    assert packages <= copied, sorted(packages - copied)
+
+
 def test_services_start_from_the_file_and_answer(compose, tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
