@@ -14,7 +14,6 @@ import csv
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from contracts.rpc import free_port  # noqa: E402
+
 PROMPT = "Once upon a time"
 
 
@@ -66,21 +69,11 @@ def generate_latency(threads: int | None, repeats: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(gens)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def locust_rps(threads: int | None, seconds: int, users: int) -> dict[str, float]:
     """Requests/s, TTFT and ITL medians of locust short_chat against a fresh `serve all`."""
     from contracts.health import check_health
 
-    sched, kv, model, metrics = _free_ports(4)
+    sched, kv, model, metrics = (free_port() for _ in range(4))
     addr = f"127.0.0.1:{sched}"
     argv = [
         sys.executable,

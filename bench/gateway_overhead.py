@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import socket
 import sys
 import time
 from pathlib import Path
@@ -26,15 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.serve_clients import Job, Record, completion_body, run_clients, summarize  # noqa: E402
+from contracts.rpc import free_port  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parent.parent / "model_svc" / "bundled" / "stories260k"
 MODEL = "stories260k"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scheduler(port: int, tokens: int) -> None:
@@ -156,7 +150,7 @@ def run_raw(port: int, jobs: list[Job], model: str = MODEL) -> list[Record]:
 
 def measure(args: argparse.Namespace) -> dict[str, dict]:
     ctx = mp.get_context("spawn")
-    sched_port, http_port = _free_port(), _free_port()
+    sched_port, http_port = free_port(), free_port()
     procs = [
         ctx.Process(target=_scheduler, args=(sched_port, args.tokens), daemon=True),
         ctx.Process(target=_gateway, args=(http_port, sched_port), daemon=True),

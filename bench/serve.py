@@ -37,7 +37,6 @@ import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,12 +50,7 @@ from bench.common import add_tokenizer  # noqa: E402
 from bench.serve_clients import Job, run_clients, summarize  # noqa: E402
 from bench.serve_embedded import run_embedded  # noqa: E402
 from bench.serve_probe import server_cpu, start_py_spy, stop_py_spy  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from contracts.rpc import free_port  # noqa: E402
 
 
 # ----------------------------------------------------------------- model and workload

@@ -24,7 +24,6 @@ import platform
 import random
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -34,13 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from contracts.rpc import free_port  # noqa: E402
+
 NUM_DEVICE_BLOCKS, NUM_HOST_BLOCKS = 1024, 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_workload(num_seqs: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:

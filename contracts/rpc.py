@@ -84,6 +84,22 @@ def check_can_listen(address: str, what: str = "") -> None:
         raise ListenError(f"cannot listen on {address}{f' ({what})' if what else ''}: {reason}")
 
 
+_handed_out: set[int] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now and not handed out before by this process. The OS may offer a
+    port it has just released again, so ports picked one after another (one for each listener
+    of a stack, a rendezvous port) would otherwise collide now and then."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
 @contextlib.contextmanager
 def _core_log_silenced() -> Iterator[None]:
     """gRPC's C core writes a failed bind to the process's stderr itself, a line of its own

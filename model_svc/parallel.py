@@ -267,12 +267,3 @@ def shard_weights(
         else:
             start, n = spans[split]
             yield name, tensor[start : start + n]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now (the rendezvous default)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from contracts.errors import SequenceFailed
-from model_svc.parallel import TPGroup, free_port
+from contracts.rpc import free_port
+from model_svc.parallel import TPGroup
 
 if TYPE_CHECKING:
     from model_svc.runner import ModelRunner

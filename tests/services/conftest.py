@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from contracts.rpc import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 # The internal token every service process of the tests gets through its environment.
 INTERNAL_TOKEN = "test-token-" + uuid.uuid4().hex
 TOKEN_METADATA = (("authorization", f"Bearer {INTERNAL_TOKEN}"),)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
