@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.gateway_overhead import run_raw  # noqa: E402
-from bench.serve import _version, free_port, make_jobs, prepare_model  # noqa: E402
+from bench.serve import _version, make_jobs, prepare_model  # noqa: E402
 from bench.serve_clients import Job, run_clients, summarize  # noqa: E402
+from contracts.rpc import free_port  # noqa: E402
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:

@@ -39,8 +39,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.serve import free_port, prepare_model  # noqa: E402
+from bench.serve import prepare_model  # noqa: E402
 from bench.serve_clients import percentile  # noqa: E402
+from contracts.rpc import free_port  # noqa: E402
 
 
 # ----------------------------------------------------------------- workload

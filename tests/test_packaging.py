@@ -11,8 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.test_layers import PACKAGES
+
 REPO = Path(__file__).resolve().parents[1]
-PRODUCT = ("contracts", "scheduler_svc", "kvcache_svc", "model_svc", "pico_kernels", "protos", "http_svc", "router_svc")
 
 
 def _names_of_other_distributions() -> dict[str, list[str]]:
@@ -25,7 +26,7 @@ def _names_of_other_distributions() -> dict[str, list[str]]:
 
 def test_no_product_package_shares_a_name_with_an_installed_module():
     taken = _names_of_other_distributions()
-    clashes = {name: taken[name] for name in PRODUCT if name in taken or name in sys.stdlib_module_names}
+    clashes = {name: taken[name] for name in PACKAGES if name in taken or name in sys.stdlib_module_names}
     assert not clashes, clashes
 
 
