@@ -256,6 +256,7 @@ def make_llm(
         max_num_seqs=engine_kwargs.get("max_num_seqs", 256),
         max_num_batched_tokens=engine_kwargs["max_num_batched_tokens"],
         num_host_blocks=engine_kwargs.pop("num_cpu_blocks", 0),
+        kv_cache_dtype=engine_kwargs.get("kv_cache_dtype", "auto"),
     )
     config = EngineConfig(
         model=path, device=device, skip_tokenizer_init=True, enforce_eager=enforce_eager, **engine_kwargs

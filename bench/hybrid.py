@@ -79,7 +79,7 @@ def run(args, model: str, context: int) -> dict:
     decode_s = time.perf_counter() - start
     engine.kv.check_invariants()
     runner = engine.model
-    block_bytes = KVCachePools.bytes_per_block(runner.config, BLOCK_SIZE, runner.dtype, runner.kv_groups)
+    block_bytes = KVCachePools.bytes_per_block(runner.config, BLOCK_SIZE, runner.kv_dtype, runner.kv_groups)
     return {
         "model": model,
         "context": context,

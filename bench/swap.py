@@ -48,7 +48,7 @@ def run(args, mode: str) -> dict:
     sync()
     seconds = time.perf_counter() - t
     stats = llm.engine.scheduler.stats
-    block_bytes = KVCachePools.bytes_per_block(runner.config, 16, runner.dtype)
+    block_bytes = KVCachePools.bytes_per_block(runner.config, 16, runner.kv_dtype)
     moved = (stats.num_swapped_out_blocks + stats.num_swapped_in_blocks) * block_bytes
     return {
         "mode": mode,

@@ -58,7 +58,13 @@ def make_workload(num_seqs: int, max_input_len: int, max_output_len: int, seed: 
 
 
 def roofline_tok_s(
-    config, prompt_lens: list[int], output_lens: list[int], bandwidth: float, flops: float, dtype_bytes: int = 2
+    config,
+    prompt_lens: list[int],
+    output_lens: list[int],
+    bandwidth: float,
+    flops: float,
+    dtype_bytes: int = 2,
+    kv_dtype_bytes: int = 2,  # 1: an FP8 KV cache
 ) -> float:
     """Best possible tok/s for this workload: every sequence resident at once, each decode
     step reads the weights once plus the K/V of every live sequence, prefill compute-bound."""
@@ -66,7 +72,7 @@ def roofline_tok_s(
     q, kv = config.q_size, config.kv_size
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
     weight_bytes = (L * per_layer + config.vocab_size * h) * dtype_bytes
-    kv_bytes_per_token = L * 2 * kv * dtype_bytes
+    kv_bytes_per_token = L * 2 * kv * kv_dtype_bytes
     prefill_flops = sum(2 * (L * per_layer + config.vocab_size * h) * n + 2 * L * q * n * n for n in prompt_lens)
     seconds = prefill_flops / flops
     max_out = max(output_lens)
@@ -265,7 +271,8 @@ def parse_args() -> argparse.Namespace:
         "--user-path-tokenizers",
         default="qwen2",
         help="the user path's runs, comma-separated, in order: qwen2 (the directory's), none "
-        "(skip_tokenizer_init=True: what detokenization costs), bytes (a slow byte-level tokenizer)",
+        "(skip_tokenizer_init=True: what detokenization costs), bytes (a slow byte-level tokenizer), "
+        'fp8 (the directory\'s, kv_cache_dtype="fp8"; its roofline counts one byte a K/V element)',
     )
     ap.add_argument("--out", default=None, help="write a markdown result here (default: print only)")
     args = ap.parse_args()
@@ -383,15 +390,20 @@ def main() -> None:
         rows = service_rows(args, runner, prompts, params, tok_s, sync_tok_s, overlapped)
         extra_rows.append(rows[0])
         phase_rows += rows[1:]
-    roof = (
-        roofline_tok_s(runner.config, [len(p) for p in prompts], [p.max_tokens for p in params], bw, fl)
-        if dev.type == "cuda"
-        else float("nan")
-    )
+
+    def roofline(kv_dtype_bytes: int = 2) -> float:
+        lens = [len(p) for p in prompts], [p.max_tokens for p in params]
+        return (
+            roofline_tok_s(runner.config, *lens, bw, fl, kv_dtype_bytes=kv_dtype_bytes)
+            if dev.type == "cuda"
+            else float("nan")
+        )
+
+    roof = roofline()
     lines = [
         "| mode | output tokens | seconds | tok/s | roofline tok/s | fraction | steps | preemptions |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        *(user_path_row(run, roof, name) for name, run in zip(user_tokenizers, user)),
+        *(user_path_row(run, roofline(1 if name == "fp8" else 2), name) for name, run in zip(user_tokenizers, user)),
         f"| embedded, in-memory model, no tokenizer | {num_out} | {seconds:.2f} | {tok_s:,.0f} | {roof:,.0f} "
         f"| {tok_s / roof:.1%} | {embedded_steps} | {embedded_preemptions} |",
         *extra_rows,

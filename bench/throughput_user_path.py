@@ -5,7 +5,8 @@ timed_generate, imported in the child), with one of three tokenizers (bench/deto
 - `qwen2`: the directory's own, the real Qwen2 tokenizer (every default);
 - `none`: `skip_tokenizer_init=True`, the one setting changed (what detokenization costs);
 - `bytes`: a byte-level tokenizer of 256 ids in the directory instead (the slow case: its
-  decode of the model's ids gives no text, so each request's undecoded window grows).
+  decode of the model's ids gives no text, so each request's undecoded window grows);
+- `fp8`: the directory's tokenizer and `kv_cache_dtype="fp8"` (half the K/V bytes a token).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ TOKENIZER_ROWS = {
     "qwen2": "defaults, Qwen2 tokenizer",
     "none": "skip_tokenizer_init=True, else defaults",
     "bytes": "defaults, a 256-id byte-level tokenizer",
+    "fp8": 'kv_cache_dtype="fp8", else defaults, Qwen2 tokenizer',
 }
 
 
@@ -22,7 +24,8 @@ def _user_path_main(model_dir: str, num_seqs: int, max_len: int, tokenizer: str,
     from bench.throughput import make_workload, timed_generate
     from scheduler_svc.llm import LLM
 
-    llm = LLM(model=model_dir, skip_tokenizer_init=True) if tokenizer == "none" else LLM(model=model_dir)
+    settings = {"none": {"skip_tokenizer_init": True}, "fp8": {"kv_cache_dtype": "fp8"}}.get(tokenizer, {})
+    llm = LLM(model=model_dir, **settings)
     prompts, params = make_workload(num_seqs, max_len, max_len)
     conn.send(timed_generate(llm, prompts, params, llm.engine.model.device))
     conn.close()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def _power_of_two(v: Any) -> bool:
@@ -43,6 +44,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_num_batched_tokens": (_positive_int, "must be >= 1"),
     "torch_threads": (_positive_int_or_none, "must be a positive integer or None"),
     "dtype": (lambda v: v is None or v in DTYPES, "must be float32, bfloat16 or float16"),
+    "kv_cache_dtype": (lambda v: v in KV_CACHE_DTYPES, f"must be one of {', '.join(KV_CACHE_DTYPES)}"),
     "kernel_backend": (lambda v: v in (None, "torch", "triton"), "must be 'torch' or 'triton'"),
     "tensor_parallel_size": (_positive_int, "must be a positive integer"),  # the heads' split: the runner's check
     "tp_master_addr": (lambda v: isinstance(v, str) and bool(v), "must be a host name or address"),

@@ -150,6 +150,7 @@ class ModelSection:
     gpu_memory_utilization: float = 0.9
     device: str | None = None
     dtype: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8_e4m3fn
     kernel_backend: str | None = None
     max_num_batched_tokens: int = 8192
     torch_threads: int | None = None  # CPU threads for torch; None: one for a small model, else one per core

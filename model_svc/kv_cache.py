@@ -57,6 +57,11 @@ def last_per_destination(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return pairs if len(last) == len(pairs) else [(src, dst) for dst, src in last.items()]
 
 
+def _as_bytes(pool: torch.Tensor) -> torch.Tensor:
+    """A one-byte (FP8) pool as uint8, the same shape; a wider one as it is."""
+    return pool.view(torch.uint8) if pool.element_size() == 1 else pool
+
+
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
     """A block-id list on the device (on CUDA without waiting for the device)."""
     return to_device(values, torch.long, device, device.type == "cuda")
@@ -81,6 +86,8 @@ class KVCachePools:
         self.host_cache = torch.empty((num_host_blocks, slots, 2, *block), dtype=dtype, device="cpu", pin_memory=pin)
         # (k_cache, v_cache) views per layer: (num_blocks, block_size, Hkv, D)
         self.layer_caches = [(self.device_cache[s, 0], self.device_cache[s, 1]) for s in self.groups.layer_slot]
+        # The block moves below on the pools' bytes: torch has no indexed copies of FP8 tensors.
+        self._device_bytes, self._host_bytes = _as_bytes(self.device_cache), _as_bytes(self.host_cache)
 
     @staticmethod
     def bytes_per_block(config, block_size: int, dtype: torch.dtype, groups: KVGroups | None = None) -> int:
@@ -98,34 +105,34 @@ class KVCachePools:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device blocks -> host blocks."""
-        dev = self.device_cache.device
+        device, host = self._device_bytes, self._host_bytes
         for start in range(0, len(pairs), SWAP_CHUNK_BLOCKS):
             chunk = pairs[start : start + SWAP_CHUNK_BLOCKS]
-            src = _index([s for s, _ in chunk], dev)
-            staged = self.device_cache.index_select(2, src).permute(2, 0, 1, 3, 4, 5).contiguous()  # host layout
+            src = _index([s for s, _ in chunk], device.device)
+            staged = device.index_select(2, src).permute(2, 0, 1, 3, 4, 5).contiguous()  # host layout
             for pos, first, n in _runs([d for _, d in chunk]):
-                self.host_cache[first : first + n].copy_(staged[pos : pos + n], non_blocking=True)
+                host[first : first + n].copy_(staged[pos : pos + n], non_blocking=True)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host blocks -> device blocks."""
-        dev = self.device_cache.device
+        device, host = self._device_bytes, self._host_bytes
         pairs = last_per_destination(pairs)
         for start in range(0, len(pairs), SWAP_CHUNK_BLOCKS):
             chunk = pairs[start : start + SWAP_CHUNK_BLOCKS]
-            staged = torch.empty((len(chunk), *self.host_cache.shape[1:]), dtype=self.host_cache.dtype, device=dev)
+            staged = torch.empty((len(chunk), *host.shape[1:]), dtype=host.dtype, device=device.device)
             for pos, first, n in _runs([s for s, _ in chunk]):
-                staged[pos : pos + n].copy_(self.host_cache[first : first + n], non_blocking=True)
-            dst = _index([d for _, d in chunk], dev)
-            self.device_cache.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))
+                staged[pos : pos + n].copy_(host[first : first + n], non_blocking=True)
+            dst = _index([d for _, d in chunk], device.device)
+            device.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))
 
     def copy_device(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write inside the device pool."""
         if not pairs:
             return
-        dev = self.device_cache.device
+        device = self._device_bytes
         pairs = last_per_destination(pairs)
-        src, dst = _index([s for s, _ in pairs], dev), _index([d for _, d in pairs], dev)
-        self.device_cache.index_copy_(2, dst, self.device_cache.index_select(2, src))
+        src, dst = _index([s for s, _ in pairs], device.device), _index([d for _, d in pairs], device.device)
+        device.index_copy_(2, dst, device.index_select(2, src))
 
 
 class HostBlockTables:

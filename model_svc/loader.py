@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from contracts.engine_fields import KV_CACHE_DTYPES
 from model_svc.config import ModelConfig
 from model_svc.layers import MergedLinear, RMSNorm
 from model_svc.models import build_model
@@ -56,6 +57,14 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         return _DTYPES[dtype]
     return dtype
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: "auto" the model's, "fp8" / "fp8_e4m3" float8_e4m3fn (scale 1,
+    as vLLM's without calibrated scales): half the bytes a token of a 16-bit model."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:

@@ -29,7 +29,7 @@ from model_svc.attention_metadata import (
 )
 from model_svc.kv_cache import HostBlockTables, KVCachePools
 from model_svc.launched_step import LaunchedStep
-from model_svc.loader import cpu_threads, load_model, resolve_dtype
+from model_svc.loader import cpu_threads, load_model, resolve_dtype, resolve_kv_cache_dtype
 from model_svc.models.llama import LlamaForCausalLM
 from model_svc.prefill_graphs import PrefillGraphs, supports_piecewise
 from model_svc.sampler import Sampler, SamplingBatch, make_generator, plain_row, row_problem
@@ -67,6 +67,7 @@ class ModelRunner:
         num_host_blocks: int | Callable[[int, int], int] = 0,
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
+        kv_cache_dtype: str = "auto",  # "auto": the model's; "fp8": float8_e4m3fn (loader.resolve_kv_cache_dtype)
         kernel_backend: str | None = None,
         device_memory_fraction: float = 0.9,
         cpu_kv_cache_bytes: int = 256 << 20,
@@ -84,6 +85,7 @@ class ModelRunner:
             torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         )
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.ops = select_ops(self.device, kernel_backend)
         self.tp = tp
         if model is None:
@@ -122,10 +124,11 @@ class ModelRunner:
             self._capture_graphs()
         self.seqs: dict[str, _SeqState] = {}
         logger.info(
-            "model runner: %s on %s (%s), kernels=%s, %d device blocks, %d host blocks",
+            "model runner: %s on %s (%s, KV cache %s), kernels=%s, %d device blocks, %d host blocks",
             self.config.architecture,
             self.device,
             self.dtype,
+            self.kv_dtype,
             self.ops.name,
             self.pools.num_device_blocks,
             self.pools.num_host_blocks,
@@ -140,7 +143,7 @@ class ModelRunner:
         """The KV pools (the device one measured from what is left after a profiling forward
         under `budget` unless given) and the persistent block tables."""
         bs = self.block_size
-        block_bytes = KVCachePools.bytes_per_block(self.config, bs, self.dtype, self.kv_groups)
+        block_bytes = KVCachePools.bytes_per_block(self.config, bs, self.kv_dtype, self.kv_groups)
         if num_device_blocks is None:
             num_device_blocks = profile_num_blocks(self.model, self.sampler, self.device, bs, block_bytes, *budget)
             if self.tp is not None:  # every rank holds every block: the pool that fits on each
@@ -148,7 +151,7 @@ class ModelRunner:
         if callable(num_host_blocks):  # sized from the device pool and the block size in bytes
             num_host_blocks = num_host_blocks(num_device_blocks, block_bytes)
         self.pools = KVCachePools(
-            self.config, bs, num_device_blocks, num_host_blocks, self.device, self.dtype, self.kv_groups
+            self.config, bs, num_device_blocks, num_host_blocks, self.device, self.kv_dtype, self.kv_groups
         )
         # A sliding group holds only its window: a sequence may then outgrow the pool's blocks.
         slides = all(self.kv_groups.windows)

@@ -39,6 +39,7 @@ class RunnerSettings:
     swap_space_gib: float = 1.0
     device: str | None = None
     dtype: str | None = None
+    kv_cache_dtype: str = "auto"
     kernel_backend: str | None = None
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 8192
@@ -86,6 +87,7 @@ def build_runner(
         num_host_blocks=functools.partial(host_pool_blocks, s.num_cpu_blocks, s.swap_space_gib),
         device=s.device,
         dtype=s.dtype,
+        kv_cache_dtype=s.kv_cache_dtype,
         kernel_backend=s.kernel_backend,
         device_memory_fraction=s.gpu_memory_utilization,
         max_num_batched_tokens=s.max_num_batched_tokens,

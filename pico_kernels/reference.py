@@ -32,13 +32,22 @@ def store_kvcache_ref(
     v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
     slot_mapping: torch.Tensor,  # (N,) int64; slot = block_id * block_size + offset; -1 = skip
 ) -> None:
-    """Write each token's K and V into the caches at its slot (in place)."""
+    """Write each token's K and V into the caches at its slot (in place), as to_cache converts."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache(key[keep], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache(value[keep], v_cache.dtype)
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in a cache of `dtype`: an FP8 cache (e4m3, scale 1) takes x clamped to its finite
+    range (torch's cast alone turns what lies beyond it into NaN), rounded to nearest even."""
+    if dtype == torch.float8_e4m3fn:
+        limit = torch.finfo(dtype).max
+        return x.float().clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
 
 
 def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:

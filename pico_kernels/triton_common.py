@@ -176,6 +176,41 @@ def round_to(x, dt: tl.constexpr, FIX_BF16: tl.constexpr):
     return x.to(dt)
 
 
+FP8_MAX = tl.constexpr(448.0)  # torch.finfo(torch.float8_e4m3fn).max
+
+
+@triton.jit
+def to_cache(x, cache_dt: tl.constexpr):
+    """x as a KV cache of dtype cache_dt holds it. An FP8 cache (e4m3, scale 1, as vLLM's
+    "fp8" without calibrated scales) takes x clamped to +-FP8_MAX and rounded to the nearest
+    e4m3 value, ties to even: torch's cast of the clamped value, bit for bit. The rounding is
+    done in fp32 (on the bits for normal values; for the subnormals, whose step is 2**-9, by
+    adding 1.5 * 2**14 to the magnitude), so the cast that follows is exact: Triton's
+    interpreter rounds FP8 casts wrongly."""
+    if cache_dt == tl.float8e4nv:
+        sign = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 31) << 31  # x's, before arithmetic flushes it
+        f = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX)
+        bits = f.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+        tiny = ((tl.abs(f) + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
+        tiny = (tiny | sign).to(tl.float32, bitcast=True)  # signed on the bits: -0 stays -0
+        return tl.where(tl.abs(f) < 0.015625, tiny, normal).to(cache_dt)
+    return x.to(cache_dt)
+
+
+@triton.jit
+def query_operand(q, cache_dt: tl.constexpr):
+    """The query as the products over a cache of cache_dt take it. Over an FP8 cache a 16-bit
+    query goes to fp16 (clamped to its range), and each K/V tile is widened to q's dtype after
+    its load: FP8 to fp16 is exact and one instruction for two values on Hopper, where widening
+    to bf16 takes several (with bf16 the FP8 cache ran slower than the 16-bit one,
+    bench/NOTES.md, "An FP8 KV cache"). Otherwise q as it is."""
+    FP16: tl.constexpr = cache_dt == tl.float8e4nv and q.dtype != tl.float32
+    if FP16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
+
+
 @triton.jit
 def mask_and(mask, cond):
     """mask & cond for a scalar condition cond (a comparison of program ids or bounds): the

@@ -37,6 +37,7 @@ from pico_kernels.triton_common import (
     num_sms,
     pdl_launch,
     pdl_prologue,
+    query_operand,
     round_to,
     softmax_step,
     split_p,
@@ -127,6 +128,7 @@ def attend_pages(
     KV head, read through a block table (`table`: the row of page ids; `k_head`/`v_head`: the
     caches offset to the head). Returns the unnormalised (acc, running max, sum), log2 scale.
     The loop of the decode kernel and of both cascade kernels."""
+    q = query_operand(q, k_head.dtype.element_ty)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -140,12 +142,12 @@ def attend_pages(
         block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
         slot = tok % PAGE
         k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK)  # (BLOCK_N, BLOCK_D)  # fmt: skip
+                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # (BLOCK_N, BLOCK_D)  # fmt: skip
         qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (ROWS, BLOCK_N)
         qk = tl.where(t_mask[None, :], qk, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
         v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK)  # fmt: skip
+                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # fmt: skip
         acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
     return acc, m_i, l_i
 

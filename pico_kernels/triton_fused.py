@@ -30,6 +30,7 @@ from pico_kernels.triton_common import (
     pdl_launch,
     pdl_prologue,
     round_to,
+    to_cache,
 )
 
 # ---- rms_norm ----
@@ -107,7 +108,7 @@ def store_as(ptr, x, dt: tl.constexpr, mask, FIX_BF16: tl.constexpr, FIX_DST: tl
     out = round_to(x, dt, FIX_BF16)
     if FIX_DST:
         out = round_to(out.to(tl.float32), ptr.dtype.element_ty, True)
-    tl.store(ptr, out, mask=mask)
+    tl.store(ptr, to_cache(out, ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -159,7 +160,7 @@ def copy_rows(src, dst, offs, mask, HALF: tl.constexpr, FIX_DST: tl.constexpr):
         x = tl.load(src + i * HALF + offs, mask=mask, other=0.0)
         if FIX_DST:
             x = round_to(x.to(tl.float32), dst.dtype.element_ty, True)
-        tl.store(dst + i * HALF + offs, x.to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst + i * HALF + offs, to_cache(x, dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit

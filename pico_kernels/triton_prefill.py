@@ -41,6 +41,7 @@ from pico_kernels.triton_common import (
     mma,
     mma_pv,
     next_pow2,
+    query_operand,
     round_to,
     softmax_step,
     softmax_step_safe,
@@ -121,7 +122,7 @@ def _masked_tiles(
         block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
         slot = tok % PAGE
         k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK)  # fmt: skip
+                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # fmt: skip
         qk = mma(q, tl.trans(k), PRECISION, UPCAST)
         visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
         if WINDOWED:  # a row may have no visible key in a tile, nor yet any: the safe step
@@ -132,7 +133,7 @@ def _masked_tiles(
             qk = tl.where(visible, qk, float("-inf"))
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
         v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK)  # fmt: skip
+                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # fmt: skip
         acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
     return acc, m_i, l_i
 
@@ -200,6 +201,7 @@ def _prefill_kernel(
         q_offs = (q_start + rows).to(tl.int64)
         q = load_rows(q_ptr + q_offs[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                       row_mask, d_mask, True, D_MASK)  # (BLOCK_M, BLOCK_D)  # fmt: skip
+        q = query_operand(q, k_cache_ptr.dtype.element_ty)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -222,11 +224,11 @@ def _prefill_kernel(
             block = tl.load(table + tok // PAGE).to(tl.int64)
             slot = tok % PAGE
             k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                          offs_n, d_mask, False, D_MASK)  # (BLOCK_N, BLOCK_D)  # fmt: skip
+                          offs_n, d_mask, False, D_MASK).to(q.dtype)  # (BLOCK_N, BLOCK_D)  # fmt: skip
             qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
             v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                          offs_n, d_mask, False, D_MASK)  # fmt: skip
+                          offs_n, d_mask, False, D_MASK).to(q.dtype)  # fmt: skip
             acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
 
         # Phase 2: key tiles across the diagonal, causal mask. Without a window no row's max

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pico_kernels.triton_common import next_pow2
+from pico_kernels.triton_common import next_pow2, to_cache
 
 
 @triton.jit
@@ -49,15 +49,20 @@ def _store_kvcache_kernel(
         v = tl.load(value_ptr + token * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
         k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
         v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs
-        tl.store(k_dst + offs_h[:, None] * stride_kch + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst + offs_h[:, None] * stride_vch + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            k_dst + offs_h[:, None] * stride_kch + offs_d[None, :], to_cache(k, k_cache_ptr.dtype.element_ty), mask=mask
+        )
+        tl.store(
+            v_dst + offs_h[:, None] * stride_vch + offs_d[None, :], to_cache(v, v_cache_ptr.dtype.element_ty), mask=mask
+        )
 
 
 def _as_cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows with unit stride, in the cache dtype. A dtype mismatch is rare (the model writes in
-    the cache dtype); casting here on the host keeps torch's rounding, which the interpreter's
-    own float-to-bf16 conversion does not reproduce."""
-    if x.dtype != dtype:
+    """Rows with unit stride, in the cache dtype unless that is FP8 (the kernel rounds to it,
+    triton_common.to_cache). A dtype mismatch is otherwise rare (the model writes in the cache
+    dtype); casting here on the host keeps torch's rounding, which the interpreter's own
+    float-to-bf16 conversion does not reproduce."""
+    if x.dtype != dtype and dtype.itemsize > 1:
         x = x.to(dtype)
     return x if x.stride(-1) == 1 else x.contiguous()
 

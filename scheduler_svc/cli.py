@@ -33,6 +33,7 @@ MODEL_HELP = (
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    from contracts.engine_fields import KV_CACHE_DTYPES
     from contracts.service_config import BUNDLED_MODEL
 
     g = p.add_argument_group("engine")
@@ -40,6 +41,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
     g.add_argument(
         "--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)"
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto: the model's dtype; fp8: float8_e4m3fn, half the bytes a token (not bit-exact) (default: auto)",
     )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (a power of two)")
     g.add_argument(
@@ -95,6 +102,7 @@ def engine_config_from_args(args: argparse.Namespace):
             enable_prefix_caching=not args.no_prefix_caching,
             device=args.device,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             enforce_eager=args.enforce_eager,
             torch_threads=args.torch_threads,
             tensor_parallel_size=args.tensor_parallel_size,

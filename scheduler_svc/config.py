@@ -93,6 +93,7 @@ class EngineConfig:
     max_model_len: int | None = None
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8_e4m3fn, half a 16-bit cache's bytes
     kernel_backend: str | None = None  # None: triton on cuda, torch otherwise
     enforce_eager: bool = False  # True: no CUDA graphs
     # Schedule step k+1 while step k runs (placeholder tokens; identical output). None: on when

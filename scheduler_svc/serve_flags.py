@@ -38,6 +38,8 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--num-cpu-blocks": ("model", "num_cpu_blocks", int, "host (swap) KV pool size in blocks"),
     "--device": ("model", "device", str, "cpu or cuda"),
     "--dtype": ("model", "dtype", str, "float32, bfloat16 or float16"),
+    "--kv-cache-dtype": ("model", "kv_cache_dtype", str, "auto (the model's dtype) or fp8 (float8_e4m3fn, "
+                         "half the bytes a token; not bit-exact)"),
     "--torch-threads": ("model", "torch_threads", int, "CPU threads for torch"),
     "--tensor-parallel-size": ("model", "tensor_parallel_size", int,
                                "split the model over this many devices (one process each)"),

@@ -14,8 +14,8 @@ from model_svc.kv_cache import KVCachePools, _runs
 CONFIG = SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2, head_dim=4)
 
 
-def make_pools(device: str = "cpu") -> KVCachePools:
-    pools = KVCachePools(CONFIG, 4, 12, 10, torch.device(device), torch.float32)
+def make_pools(device: str = "cpu", dtype: torch.dtype = torch.float32) -> KVCachePools:
+    pools = KVCachePools(CONFIG, 4, 12, 10, torch.device(device), dtype)
     pools.device_cache.copy_(torch.randn(pools.device_cache.shape))
     pools.host_cache.copy_(torch.randn(pools.host_cache.shape))
     return pools
@@ -64,6 +64,24 @@ def test_copy_on_write_and_empty_lists():
     assert pools.num_device_blocks == 12 and pools.num_host_blocks == 10
     k, v = pools.layer_caches[1]
     assert k.shape == (12, 4, 2, 4) and torch.equal(v, pools.device_cache[1, 1])
+
+
+def test_fp8_pools_move_their_bytes():
+    """An FP8 pool (kv_cache_dtype="fp8"), which torch's indexed copies do not take: swaps and
+    copy-on-write move its blocks bit for bit, at one byte an element."""
+    fp8 = torch.float8_e4m3fn
+    pools = make_pools(dtype=fp8)
+    assert KVCachePools.bytes_per_block(CONFIG, 4, fp8) * 4 == KVCachePools.bytes_per_block(CONFIG, 4, torch.float32)
+    dev = pools.device_cache.view(torch.uint8)  # the pools as bytes: torch.equal takes no FP8
+    before = dev.clone()
+    pools.swap_out([(3, 0), (9, 5)])
+    pools.swap_in([(0, 11), (5, 10)])
+    pools.copy_device([(1, 6)])
+    assert torch.equal(dev[:, :, 11], before[:, :, 3]) and torch.equal(dev[:, :, 10], before[:, :, 9])
+    assert torch.equal(dev[:, :, 6], before[:, :, 1])
+    others = [b for b in range(12) if b not in (6, 10, 11)]
+    assert torch.equal(dev[:, :, others], before[:, :, others])
+    assert pools.layer_caches[0][0].dtype == fp8
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

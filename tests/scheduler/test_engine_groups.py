@@ -24,7 +24,7 @@ def _peak_bytes(llm: LLM, prompts: list[list[int]]) -> tuple[int, list[int], lis
     """Peak KV bytes in use over the run, each group's most live blocks of one sequence, and
     the outputs."""
     engine, runner = llm.engine, llm.engine.model
-    block_bytes = KVCachePools.bytes_per_block(runner.config, BS, runner.dtype, runner.kv_groups)
+    block_bytes = KVCachePools.bytes_per_block(runner.config, BS, runner.kv_dtype, runner.kv_groups)
     groups = engine.kv.num_groups
     for i, p in enumerate(prompts):
         engine.add_request(p, GREEDY, str(i))
