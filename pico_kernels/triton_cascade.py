@@ -266,7 +266,7 @@ def cascade_with_config(
             *fused,
             GROUP=g.group, HEAD_DIM=head_dim, BLOCK_D=g.block_d, PAGE=g.page,
             BLOCK_M=config.prefix.block_m, BLOCK_N=config.prefix.block_n, MIN_CHUNK=g.min_chunk,
-            PRECISION=precision, UPCAST=upcast, SPLIT_P=config.prefix.split_p and split_p(q.dtype),
+            PRECISION=precision, UPCAST=upcast, SPLIT_P=config.prefix.split_p and split_p(q.dtype, k_cache.dtype),
             **flags, **pdl_launch(q.device), num_warps=config.prefix.num_warps, num_stages=config.prefix.num_stages,
         )  # fmt: skip
 
@@ -287,7 +287,7 @@ def cascade_with_config(
         HEAD_DIM=head_dim, BLOCK_D=g.block_d,
         PAGE=g.page, BLOCK_N=config.suffix.block_n, PREFIX_BLOCK_N=config.prefix.block_n, PREFIX_MIN_CHUNK=g.min_chunk,
         COUNTERS=g.num_splits > 1, PRECISION=precision, UPCAST=upcast,
-        SPLIT_P=config.suffix.split_p and split_p(q.dtype),
+        SPLIT_P=config.suffix.split_p and split_p(q.dtype, k_cache.dtype),
         FIX_BF16=fix_bf16_rounding(q.dtype), GROUP_P2=group_p2, BLOCK_S=block_s,
         **pdl_launch(q.device),
         num_warps=config.suffix.num_warps, num_stages=config.suffix.num_stages,

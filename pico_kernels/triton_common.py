@@ -143,12 +143,13 @@ def upcast_dot(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
-def split_p(dtype: torch.dtype) -> bool:
+def split_p(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
     """bf16 keeps 8 bits of each probability, fp16 11, fp32 24. In bf16 a kernel configured
     with split_p takes P in P @ V as two bf16 terms (hi + lo, 16 bits together; see mma_pv),
     so attention rounds about as the fp32 reference does: decode does by default (it is
-    memory-bound, the second product is free), prefill does not (tensor-core bound)."""
-    return dtype == torch.bfloat16
+    memory-bound, the second product is free), prefill does not (tensor-core bound). dtype
+    is the query's; over an FP8 cache the products run in fp16 (query_operand): no split."""
+    return dtype == torch.bfloat16 and cache_dtype != torch.float8_e4m3fn
 
 
 def cdiv(a: int, b: int) -> int:

@@ -356,7 +356,7 @@ def decode_with_config(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=config.block_n,
         DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
-        SPLIT_P=config.split_p and split_p(q.dtype),
+        SPLIT_P=config.split_p and split_p(q.dtype, k_cache.dtype),
         FIX_BF16=fix_bf16_rounding(q.dtype), GROUP_P2=group_p2, BLOCK_S=block_s,
         **pdl_launch(q.device), WINDOWED=window > 0,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -286,7 +286,8 @@ def prefill_with_config(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE=page,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), SPLIT_P=config.split_p and split_p(q.dtype),
+        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
+        SPLIT_P=config.split_p and split_p(q.dtype, k_cache.dtype),
         FIX_BF16=fix_bf16_rounding(q.dtype), HEADS=heads, WINDOWED=window > 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
