@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import device_sync, environment, make_llm, write_result  # noqa: E402
+from contracts.engine_fields import KV_CACHE_DTYPES  # noqa: E402
 
 
 def measure(args, overlap: bool) -> tuple[float, float]:
@@ -150,7 +151,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="every row's KV cache")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="every row's KV cache")
     ap.add_argument(
         "--user-path",
         action=argparse.BooleanOptionalAction,

@@ -143,7 +143,7 @@ def upcast_dot(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
-def split_p(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
+def split_p(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """bf16 keeps 8 bits of each probability, fp16 11, fp32 24. In bf16 a kernel configured
     with split_p takes P in P @ V as two bf16 terms (hi + lo, 16 bits together; see mma_pv),
     so attention rounds about as the fp32 reference does: decode does by default (it is

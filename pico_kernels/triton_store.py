@@ -62,7 +62,7 @@ def _as_cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     triton_common.to_cache). A dtype mismatch is otherwise rare (the model writes in the cache
     dtype); casting here on the host keeps torch's rounding, which the interpreter's own
     float-to-bf16 conversion does not reproduce."""
-    if x.dtype != dtype and dtype.itemsize > 1:
+    if x.dtype != dtype and dtype != torch.float8_e4m3fn:
         x = x.to(dtype)
     return x if x.stride(-1) == 1 else x.contiguous()
 
