@@ -44,6 +44,7 @@ from pico_kernels.triton_common import (
     upcast_dot,
     use_pdl,
 )
+from pico_kernels.triton_decode_lanes import attend_pages_lanes
 
 # Heuristic constants of pick_num_splits (see its docstring).
 PROGRAMS_PER_SM = 2
@@ -57,9 +58,17 @@ class DecodeConfig:
     num_stages: int
     split_p: bool = True  # bf16: P @ V with P as two bf16 terms (pico_kernels.triton_common.mma_pv)
     programs_per_sm: float = PROGRAMS_PER_SM  # the launch pick_num_splits aims at
+    lanes: bool = False  # attend_pages_lanes (CUDA-core products; one warp a program)
 
 
-def default_decode_config(dtype: torch.dtype, head_dim: int, batch: int = 0, pdl: bool = False) -> DecodeConfig:
+def default_decode_config(
+    dtype: torch.dtype,
+    head_dim: int,
+    batch: int = 0,
+    pdl: bool = False,
+    cache_dtype: torch.dtype | None = None,
+    group: int = 0,
+) -> DecodeConfig:
     """16-bit: 64-token tiles (32 for head_dim > 128), num_stages=5. The pipeliner spends one
     stage on the block-table load that the K/V addresses depend on, so 5 stages give two K/V
     buffers in flight (3 would give one). One sequence launched with programmatic dependent
@@ -70,7 +79,14 @@ def default_decode_config(dtype: torch.dtype, head_dim: int, batch: int = 0, pdl
     contexts: presumably the projection programs that PDL starts beside them find room to
     fetch their weights. fp32 (the bundled model, CPU-sized): 16-token tiles, which keep its
     fp32 products free of register spills. The interpreter uses 16-token tiles so that small
-    test shapes span several tiles and pages."""
+    test shapes span several tiles and pages. An FP8 cache (cache_dtype) under GQA groups of 1
+    or 2 (group), batch 1 under PDL aside: attend_pages_lanes in 16-token tiles, one warp a
+    program, 16 programs an SM (128 registers a lane: as many as the register file holds); on
+    the H200 it took 172-177 us for B=256 x 800 tokens against 215-223 for the tensor-core
+    loop over the same FP8 cache (bench/NOTES.md, "An FP8 KV cache")."""
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    if fp8 and 1 <= group <= 2 and not (batch == 1 and pdl):
+        return DecodeConfig(block_n=16, num_warps=1, num_stages=1, split_p=False, programs_per_sm=16, lanes=True)
     if interpreting() or dtype == torch.float32:
         return DecodeConfig(block_n=16, num_warps=4, num_stages=3)
     block_d = max(16, next_pow2(head_dim))
@@ -152,6 +168,27 @@ def attend_pages(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _attend(
+    q, table, k_head, v_head, start, end,
+    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr, LANES_R: tl.constexpr,
+):  # fmt: skip
+    """The decode kernel's loop: attend_pages_lanes when LANES_R > 0 (DecodeConfig.lanes), else
+    attend_pages."""
+    if LANES_R > 0:
+        return attend_pages_lanes(
+            q, table, k_head, v_head, start, end, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+            BLOCK_N, LANES_R, BLOCK_D, HEAD_DIM, PAGE,
+        )  # fmt: skip
+    else:
+        return attend_pages(
+            q, table, k_head, v_head, start, end, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+            q.shape[0], BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
+        )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["num_splits", "window", "stride_bt"])  # eager batches have a per-step table width
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
@@ -165,7 +202,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
     FIX_BF16: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr, WINDOWED: tl.constexpr,
+    PDL: tl.constexpr, WINDOWED: tl.constexpr, LANES_R: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -189,11 +226,11 @@ def _decode_split_kernel(
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
     )  # (GROUP_PAD, BLOCK_D)  # fmt: skip
 
-    acc, m_i, l_i = attend_pages(
+    acc, m_i, l_i = _attend(
         q, block_tables_ptr + seq.to(tl.int64) * stride_bt,
         k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh, start, end,
         stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-        GROUP_PAD, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
+        BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P, LANES_R,
     )  # fmt: skip
 
     if DIRECT:
@@ -319,7 +356,9 @@ def decode_with_config(
     q = q if q.stride(-1) == 1 else q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
     if config is None:
-        config = default_decode_config(q.dtype, head_dim, batch, use_pdl(q.device))
+        config = default_decode_config(
+            q.dtype, head_dim, batch, use_pdl(q.device), k_cache.dtype, num_q_heads // num_kv_heads
+        )
     if num_splits is None:
         max_len = block_tables.shape[1] * page  # host-known bound: no device sync
         if window > 0:
@@ -330,6 +369,9 @@ def decode_with_config(
 
     group = num_q_heads // num_kv_heads
     block_d = max(16, next_pow2(head_dim))
+    # The lanes that share one token's row (16 bytes each) and the tokens a warp reads side by side.
+    lanes_r = min(config.block_n, max(1, 32 // max(1, block_d * k_cache.element_size() // 16))) if config.lanes else 0
+    assert not config.lanes or (group <= 2 and config.num_warps == 1), "the lanes loop: 1-2 query rows, one warp"
     direct = num_splits == 1
     if direct:
         part_out = part_lse = out  # unused
@@ -342,7 +384,7 @@ def decode_with_config(
     # a thread at 4 warps) and 32 splits. Each chunk of splits costs an L2 round trip, so
     # chunks are as large as that allows; a 64-split tile was slower (bench/NOTES.md).
     group_p2 = next_pow2(group)
-    block_s = max(1, min(32, 8192 // (block_d * group_p2)))
+    block_s = max(1, min(32, (2048 if config.lanes else 8192) // (block_d * group_p2)))
 
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, seq_lens,
@@ -352,13 +394,13 @@ def decode_with_config(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
+        GROUP=group, GROUP_PAD=next_pow2(group) if config.lanes else max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=config.block_n,
         DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
         SPLIT_P=config.split_p and split_p(q.dtype, k_cache.dtype),
         FIX_BF16=fix_bf16_rounding(q.dtype), GROUP_P2=group_p2, BLOCK_S=block_s,
-        **pdl_launch(q.device), WINDOWED=window > 0,
+        **pdl_launch(q.device), WINDOWED=window > 0, LANES_R=lanes_r,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
