@@ -61,6 +61,10 @@ class DecodeConfig:
     lanes: bool = False  # attend_pages_lanes (CUDA-core products; one warp a program)
 
 
+# The lanes loop's config (DecodeConfig.lanes): 16-token tiles, one warp, 16 programs an SM.
+LANES = DecodeConfig(block_n=16, num_warps=1, num_stages=1, split_p=False, programs_per_sm=16, lanes=True)
+
+
 def default_decode_config(
     dtype: torch.dtype,
     head_dim: int,
@@ -68,6 +72,8 @@ def default_decode_config(
     pdl: bool = False,
     cache_dtype: torch.dtype | None = None,
     group: int = 0,
+    num_kv_heads: int = 0,
+    sms: int = 132,
 ) -> DecodeConfig:
     """16-bit: 64-token tiles (32 for head_dim > 128), num_stages=5. The pipeliner spends one
     stage on the block-table load that the K/V addresses depend on, so 5 stages give two K/V
@@ -79,14 +85,18 @@ def default_decode_config(
     contexts: presumably the projection programs that PDL starts beside them find room to
     fetch their weights. fp32 (the bundled model, CPU-sized): 16-token tiles, which keep its
     fp32 products free of register spills. The interpreter uses 16-token tiles so that small
-    test shapes span several tiles and pages. An FP8 cache (cache_dtype) under GQA groups of 1
-    or 2 (group), batch 1 under PDL aside: attend_pages_lanes in 16-token tiles, one warp a
-    program, 16 programs an SM (128 registers a lane: as many as the register file holds); on
-    the H200 it took 172-177 us for B=256 x 800 tokens against 215-223 for the tensor-core
-    loop over the same FP8 cache (bench/NOTES.md, "An FP8 KV cache")."""
+    test shapes span several tiles and pages.
+
+    An FP8 cache (cache_dtype) under GQA groups of 1 or 2 (group) with (sequence, KV head)
+    pairs for at least 3/4 of a wave of LANES programs (16 an SM of sms SMs: 128 registers a
+    lane, as many as the register file holds): attend_pages_lanes, one warp a program. Each
+    program waits on every 16-token tile's loads, so the loop needs the SMs full without
+    splitting the sequences; on the H200 it beat the tensor-core loop over the same cache at
+    256 and 512 sequences of 8 KV heads and lost at 128 and below (bench/NOTES.md, "An FP8
+    KV cache")."""
     fp8 = cache_dtype == torch.float8_e4m3fn
-    if fp8 and 1 <= group <= 2 and not (batch == 1 and pdl):
-        return DecodeConfig(block_n=16, num_warps=1, num_stages=1, split_p=False, programs_per_sm=16, lanes=True)
+    if fp8 and 1 <= group <= 2 and 4 * batch * num_kv_heads >= 3 * LANES.programs_per_sm * sms:
+        return LANES
     if interpreting() or dtype == torch.float32:
         return DecodeConfig(block_n=16, num_warps=4, num_stages=3)
     block_d = max(16, next_pow2(head_dim))
@@ -357,8 +367,9 @@ def decode_with_config(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
     if config is None:
         config = default_decode_config(
-            q.dtype, head_dim, batch, use_pdl(q.device), k_cache.dtype, num_q_heads // num_kv_heads
-        )
+            q.dtype, head_dim, batch, use_pdl(q.device), k_cache.dtype, num_q_heads // num_kv_heads, num_kv_heads,
+            num_sms(q.device),
+        )  # fmt: skip
     if num_splits is None:
         max_len = block_tables.shape[1] * page  # host-known bound: no device sync
         if window > 0:

@@ -11,12 +11,11 @@ import torch
 
 from pico_kernels import triton_decode
 from pico_kernels.reference import paged_decode_attention_ref, to_cache
-from pico_kernels.triton_decode import DecodeConfig, decode_with_config
+from pico_kernels.triton_decode import LANES, decode_with_config
 from tests.kernels.test_kernels import assert_matches, make_paged_kv, make_query, nan_like
 from tests.kernels.test_sliding_window import release_out_of_window
 
 FP8 = torch.float8_e4m3fn
-LANES = DecodeConfig(block_n=16, num_warps=1, num_stages=1, split_p=False, programs_per_sm=16, lanes=True)
 
 
 def lanes_case(device, cache_dtype, lens, heads, head_dim, page, num_splits=None, window=0, seed=31):
@@ -74,14 +73,20 @@ def test_lanes_rows_without_context_give_zeros_and_counters_reset(device, num_sp
         assert not triton_decode._ARRIVAL_COUNTERS[q.device].any()
 
 
-def test_default_config_takes_the_lanes_loop_for_fp8_and_small_groups():
-    pick = triton_decode.default_decode_config
-    assert pick(torch.bfloat16, 128, batch=256, cache_dtype=FP8, group=2) == LANES
-    assert pick(torch.bfloat16, 128, batch=256, cache_dtype=FP8, group=1).lanes
-    assert not pick(torch.bfloat16, 128, batch=256, cache_dtype=FP8, group=4).lanes  # tensor cores
-    assert not pick(torch.bfloat16, 128, batch=256, cache_dtype=torch.bfloat16, group=2).lanes
-    batch_one = pick(torch.bfloat16, 128, batch=1, pdl=True, cache_dtype=FP8, group=2)
-    assert batch_one == pick(torch.bfloat16, 128, batch=1, pdl=True)  # batch 1 under PDL keeps its tiles
+def test_default_config_takes_the_lanes_loop_for_fp8_small_groups_and_full_waves():
+    def pick(batch, cache_dtype=FP8, group=2, num_kv_heads=8, sms=132):
+        return triton_decode.default_decode_config(
+            torch.bfloat16, 128, batch, False, cache_dtype, group, num_kv_heads, sms
+        )
+
+    assert pick(256) == LANES
+    assert pick(256, group=1).lanes
+    assert pick(198).lanes  # 1584 pairs: 3/4 of a wave of 16 programs on each of 132 SMs
+    assert not pick(197).lanes
+    assert pick(64, sms=32).lanes  # the wave is the device's
+    assert not pick(256, group=4).lanes  # tensor cores
+    assert not pick(256, cache_dtype=torch.bfloat16).lanes
+    assert not pick(1).lanes
 
 
 def test_lanes_loop_refuses_groups_it_does_not_handle(device):
