@@ -1,0 +1,26 @@
+"""bench/persistent_kernel.py's phases in the interpreter, at a small shape whose intermediate
+size is no power of two: program counts that split the rows unevenly give the chain's output
+and residual (the barrier itself runs on a GPU only, in bench/persistent_probe.py gpu)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+if not (ROOT / "bench" / "persistent_probe.py").is_file():
+    pytest.skip("bench/ is not in this checkout", allow_module_level=True)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.mark.timeout(300)
+def test_phases_equal_the_gemv_chain():
+    from bench import persistent_probe
+
+    found = persistent_probe.check((3, 5))
+    assert [g for g, _, _ in found] == [3, 5]
+    for _, ulps_d, ulps_res in found:
+        assert ulps_d <= 1.0 and ulps_res <= 1.0
