@@ -5,8 +5,8 @@ against the model's chain of four gemv launches a layer).
 G programs stay resident for the whole step. In each phase program p computes a contiguous
 share of the phase's output rows over the whole of K, a chunk of rows at a time, then
 arrives at a grid barrier (one counter, incremented once per program and phase); before it
-waits there it requests the next phase's first weight chunk (PREFETCH), since no phase
-writes weights. A layer's phases:
+waits there it requests the next phase's first weight chunk (PREFETCH 1), and with PREFETCH 2
+also every line of its next share into L2, since no phase writes weights. A layer's phases:
 
     A  q|k|v    = W_qkv  . RMSNorm(d + res_b) * w_in     (program 0 writes res_a = d + res_b)
     B  o        = W_o    . qkv[:Q]                        (the attention's stand-in: its query)
@@ -58,6 +58,20 @@ def _tile(
     offs_k = tl.arange(0, KP)
     mask = ((rows < (p + 1) * SHARE) & (rows < N))[:, None] & (offs_k < K)[None, :]
     return tl.load(w_ptr + layer * (N * K) + rows[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _prefetch_l2(w_ptr, layer, p, N: tl.constexpr, K: tl.constexpr, SHARE: tl.constexpr):
+    """Ask L2 for every 128-byte line of program p's share of layer `layer`'s (N, K) bf16
+    weight (its rows are contiguous); a hint, nothing comes back. GPU only (inline PTX)."""
+    LINE: tl.constexpr = 64  # bf16 elements a line
+    start = layer * (N * K) + p * SHARE * K
+    end = layer * (N * K) + tl.minimum((p + 1) * SHARE, N) * K
+    for i in tl.static_range((SHARE * K + 128 * LINE - 1) // (128 * LINE)):
+        offs = tl.minimum(start + (i * 128 + tl.arange(0, 128)) * LINE, end - 1)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [w_ptr + offs], dtype=tl.int32, is_pure=False, pack=1
+        )
 
 
 @triton.jit
@@ -139,17 +153,23 @@ def layers_kernel(
             x = _normed(d_ptr, res_b, res_a, nw_in, layer, p, eps, H, FIX)
             _project(w_qkv, wa, x, qkv_ptr, layer, p, QKV, H, H, SA, RA, True, FIX)
             _arrive(bar_ptr)
+            if PREFETCH == 2:
+                _prefetch_l2(w_o, layer, p, H, Q, SB)
             wb = _tile(w_o, layer, p, 0, H, Q, Q, SB, RB) if PREFETCH else 0
             arrivals += G
             _wait(bar_ptr, arrivals)
             _project(w_o, wb, _query(qkv_ptr, Q), o_ptr, layer, p, H, Q, Q, SB, RB, PREFETCH, FIX)
             _arrive(bar_ptr)
+            if PREFETCH == 2:
+                _prefetch_l2(w_gu, layer, p, GU, H, SC)
             wc = _tile(w_gu, layer, p, 0, GU, H, H, SC, RC) if PREFETCH else 0
             arrivals += G
             _wait(bar_ptr, arrivals)
             x = _normed(o_ptr, res_a, res_b, nw_post, layer, p, eps, H, FIX)
             _project(w_gu, wc, x, gu_ptr, layer, p, GU, H, H, SC, RC, PREFETCH, FIX)
             _arrive(bar_ptr)
+            if PREFETCH == 2:
+                _prefetch_l2(w_down, layer, p, H, INTER, SD)
             wd = _tile(w_down, layer, p, 0, H, INTER, IP, SD, RD) if PREFETCH else 0
             arrivals += G
             _wait(bar_ptr, arrivals)
@@ -157,6 +177,8 @@ def layers_kernel(
             _project(w_down, wd, x, d_ptr, layer, p, H, INTER, IP, SD, RD, PREFETCH, FIX)
             _arrive(bar_ptr)
             # the next layer's first q|k|v chunk (requested in any case: the loop carries it)
+            if PREFETCH == 2:
+                _prefetch_l2(w_qkv, (layer + 1) % n_layers, p, QKV, H, SA)
             wa = _tile(w_qkv, (layer + 1) % n_layers, p, 0, QKV, H, H, SA, RA)
             arrivals += G
             _wait(bar_ptr, arrivals)

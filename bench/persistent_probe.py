@@ -38,7 +38,7 @@ from pico_kernels.triton_common import cdiv, fix_bf16_rounding, next_pow2  # noq
 
 QWEN3 = dict(L=28, H=1024, Q=2048, QKV=4096, INTER=3072)  # Qwen3-0.6B's layers
 TINY = dict(L=2, H=64, Q=128, QKV=256, INTER=96)  # an intermediate size that is no power of two
-VARIANTS = [(128, 8, 1), (128, 8, 0), (256, 4, 1), (256, 4, 0), (264, 4, 1), (264, 4, 0)]
+VARIANTS = [(128, 8, 1), (256, 4, 2), (256, 4, 1), (264, 4, 2), (264, 4, 1), (256, 4, 0)]
 EPS = 1e-6
 CHUNK_ELEMS = 128  # weight elements a thread loads in one chunk of rows
 
