@@ -4,9 +4,9 @@ against the model's chain of four gemv launches a layer).
 
 G programs stay resident for the whole step. In each phase program p computes a contiguous
 share of the phase's output rows over the whole of K, a chunk of rows at a time, then
-arrives at a grid barrier (STRIPES counters, each program adding one to its stripe's once a
-phase, the wait summing them all); before it waits there it requests the next phase's first
-weight chunk (PREFETCH), since no phase writes weights. A layer's phases:
+arrives at a grid barrier (one counter, incremented once per program and phase); before it
+waits there it requests the next phase's first weight chunk (PREFETCH), since no phase
+writes weights. A layer's phases:
 
     A  q|k|v    = W_qkv  . RMSNorm(d + res_b) * w_in     (program 0 writes res_a = d + res_b)
     B  o        = W_o    . qkv[:Q]                        (the attention's stand-in: its query)
@@ -31,38 +31,19 @@ SPIN_LIMIT = tl.constexpr(1 << 22)
 
 
 @triton.jit
-def _arrive(bar_ptr, STRIPES: tl.constexpr):
-    """One arrival, on the counter of this program's stripe (STRIPES counters, a 128-byte
-    line apart, so that fewer programs meet at one address)."""
+def _arrive(bar_ptr):
     tl.debug_barrier()  # every thread's stores of this phase are issued before the release
-    tl.atomic_add(bar_ptr + (tl.program_id(0) % STRIPES) * 32, 1, sem="release", scope="gpu")
+    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def _arrived(bar_ptr, STRIPES: tl.constexpr):
-    """The arrivals so far over all stripes, each read with acquire semantics (a load, not a
-    read-modify-write, so that the waiting programs do not queue at the counters)."""
-    counts = tl.inline_asm_elementwise(
-        "ld.acquire.gpu.global.b32 $0, [$1];",
-        "=r,l",
-        [bar_ptr + tl.arange(0, STRIPES) * 32],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-    return tl.sum(counts, axis=0)
-
-
-@triton.jit
-def _wait(bar_ptr, target, STRIPES: tl.constexpr):
-    """Spin until `target` arrivals over all stripes; bounded, so that programs that are not
-    all resident give a wrong result (which the probe's comparison catches) instead of a hung
-    GPU. A sum at or over `target` means every arrival of this phase is in: none of the next
-    phase's arrives before all of this one's."""
-    seen = _arrived(bar_ptr, STRIPES)
+def _wait(bar_ptr, target):
+    """Spin until `target` arrivals; bounded, so that programs that are not all resident
+    give a wrong result (which the probe's comparison catches) instead of a hung GPU."""
+    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     tries = 0
     while (seen < target) & (tries < SPIN_LIMIT):
-        seen = _arrived(bar_ptr, STRIPES)
+        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
         tries += 1
     tl.debug_barrier()
 
@@ -132,12 +113,12 @@ def layers_kernel(
     H: tl.constexpr, Q: tl.constexpr, QKV: tl.constexpr, INTER: tl.constexpr, IP: tl.constexpr,
     SA: tl.constexpr, RA: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr,
     SC: tl.constexpr, RC: tl.constexpr, SD: tl.constexpr, RD: tl.constexpr,
-    PREFETCH: tl.constexpr, STRIPES: tl.constexpr, ONLY: tl.constexpr, FIX: tl.constexpr,
+    PREFETCH: tl.constexpr, ONLY: tl.constexpr, FIX: tl.constexpr,
 ):  # fmt: skip
     """d holds the layer input (the embedding, res_b zero), and after the launch the last
     layer's down output; res_b the residual. S* / R* are each phase's rows a program (a
-    share) and rows a chunk (a power of two); IP is INTER's power of two. bar_ptr: STRIPES
-    int32 counters 32 apart, zero at the launch."""
+    share) and rows a chunk (a power of two); IP is INTER's power of two. bar_ptr: an int32
+    counter, zero at the launch."""
     p = tl.program_id(0)
     G = tl.num_programs(0)
     GU: tl.constexpr = 2 * INTER
@@ -157,25 +138,25 @@ def layers_kernel(
         for layer in range(n_layers):
             x = _normed(d_ptr, res_b, res_a, nw_in, layer, p, eps, H, FIX)
             _project(w_qkv, wa, x, qkv_ptr, layer, p, QKV, H, H, SA, RA, True, FIX)
-            _arrive(bar_ptr, STRIPES)
+            _arrive(bar_ptr)
             wb = _tile(w_o, layer, p, 0, H, Q, Q, SB, RB) if PREFETCH else 0
             arrivals += G
-            _wait(bar_ptr, arrivals, STRIPES)
+            _wait(bar_ptr, arrivals)
             _project(w_o, wb, _query(qkv_ptr, Q), o_ptr, layer, p, H, Q, Q, SB, RB, PREFETCH, FIX)
-            _arrive(bar_ptr, STRIPES)
+            _arrive(bar_ptr)
             wc = _tile(w_gu, layer, p, 0, GU, H, H, SC, RC) if PREFETCH else 0
             arrivals += G
-            _wait(bar_ptr, arrivals, STRIPES)
+            _wait(bar_ptr, arrivals)
             x = _normed(o_ptr, res_a, res_b, nw_post, layer, p, eps, H, FIX)
             _project(w_gu, wc, x, gu_ptr, layer, p, GU, H, H, SC, RC, PREFETCH, FIX)
-            _arrive(bar_ptr, STRIPES)
+            _arrive(bar_ptr)
             wd = _tile(w_down, layer, p, 0, H, INTER, IP, SD, RD) if PREFETCH else 0
             arrivals += G
-            _wait(bar_ptr, arrivals, STRIPES)
+            _wait(bar_ptr, arrivals)
             x = _silu_mul(gu_ptr, INTER, IP, FIX)
             _project(w_down, wd, x, d_ptr, layer, p, H, INTER, IP, SD, RD, PREFETCH, FIX)
-            _arrive(bar_ptr, STRIPES)
+            _arrive(bar_ptr)
             # the next layer's first q|k|v chunk (requested in any case: the loop carries it)
             wa = _tile(w_qkv, (layer + 1) % n_layers, p, 0, QKV, H, H, SA, RA)
             arrivals += G
-            _wait(bar_ptr, arrivals, STRIPES)
+            _wait(bar_ptr, arrivals)

@@ -33,26 +33,24 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import copy_bandwidth, environment, write_result  # noqa: E402
-from bench.persistent_kernel import _arrive, _arrived, _wait, layers_kernel  # noqa: E402
+from bench.persistent_kernel import _arrive, _wait, layers_kernel  # noqa: E402
 from pico_kernels.triton_common import cdiv, fix_bf16_rounding, next_pow2  # noqa: E402
 
 QWEN3 = dict(L=28, H=1024, Q=2048, QKV=4096, INTER=3072)  # Qwen3-0.6B's layers
 TINY = dict(L=2, H=64, Q=128, QKV=256, INTER=96)  # an intermediate size that is no power of two
-# (programs, warps, prefetch, stripes)
-VARIANTS = [(256, 4, 1, 1), (256, 4, 1, 8), (256, 4, 1, 32), (264, 4, 1, 32), (128, 8, 1, 32), (256, 4, 0, 32)]
-BARRIER_STRIPES = (1, 8, 32)
+VARIANTS = [(128, 8, 1), (128, 8, 0), (256, 4, 1), (256, 4, 0), (264, 4, 1), (264, 4, 0)]
 EPS = 1e-6
 CHUNK_ELEMS = 128  # weight elements a thread loads in one chunk of rows
 
 
 @triton.jit
-def barrier_kernel(bar_ptr, out_ptr, n, STRIPES: tl.constexpr):
+def barrier_kernel(bar_ptr, out_ptr, n):
     """n grid barriers and nothing else; out[p] = the count program p saw at the last one."""
     G = tl.num_programs(0)
     for i in range(n):
-        _arrive(bar_ptr, STRIPES)
-        _wait(bar_ptr, (i + 1) * G, STRIPES)
-    tl.store(out_ptr + tl.program_id(0), _arrived(bar_ptr, STRIPES))
+        _arrive(bar_ptr)
+        _wait(bar_ptr, (i + 1) * G)
+    tl.store(out_ptr + tl.program_id(0), tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu"))
 
 
 def make_weights(s: dict, device: str) -> dict:
@@ -89,13 +87,13 @@ def chain(w: dict, s: dict) -> tuple[torch.Tensor, torch.Tensor]:
 class Persistent:
     """The buffers and launch of layers_kernel for G programs."""
 
-    def __init__(self, w: dict, s: dict, programs: int, warps: int, prefetch: int, stripes: int = 1):
+    def __init__(self, w: dict, s: dict, programs: int, warps: int, prefetch: int):
         self.w, self.s, self.G, self.warps, self.prefetch = w, s, programs, warps, prefetch
         dev, H = w["d0"].device, s["H"]
         new = lambda n: torch.zeros((1, n), device=dev, dtype=torch.bfloat16)  # noqa: E731
         self.d, self.res_a, self.res_b = new(H), new(H), new(H)
         self.qkv, self.o, self.gu = new(s["QKV"]), new(H), new(2 * s["INTER"])
-        self.bar = torch.zeros(32 * stripes, device=dev, dtype=torch.int32)
+        self.bar = torch.zeros(1, device=dev, dtype=torch.int32)
         shares = [cdiv(n, programs) for n in (s["QKV"], H, 2 * s["INTER"], H)]
         ks = [H, s["Q"], H, next_pow2(s["INTER"])]
         # rows a chunk: a power of two that divides the share, at most CHUNK_ELEMS a thread
@@ -103,7 +101,7 @@ class Persistent:
         self.meta = dict(
             H=H, Q=s["Q"], QKV=s["QKV"], INTER=s["INTER"], IP=ks[3],
             SA=shares[0], RA=chunk[0], SB=shares[1], RB=chunk[1], SC=shares[2], RC=chunk[2], SD=shares[3], RD=chunk[3],
-            PREFETCH=prefetch, STRIPES=stripes, FIX=fix_bf16_rounding(torch.bfloat16),
+            PREFETCH=prefetch, FIX=fix_bf16_rounding(torch.bfloat16),
         )  # fmt: skip
 
     def reset(self) -> None:
@@ -195,14 +193,14 @@ def graph_us(step, reset, steps: int = 10, replays: int = 20, repeats: int = 3) 
     return sorted(times)[len(times) // 2]
 
 
-def variant(programs: int, warps: int, prefetch: int, stripes: int) -> dict:
+def variant(programs: int, warps: int, prefetch: int) -> dict:
     """One child's row: compile, check residency, check the output, time it and the chain."""
     os.environ["PICOVLLM_PDL"] = "1"
     w = make_weights(QWEN3, "cuda")
     ref_d, ref_res = chain(w, QWEN3)
-    p = Persistent(w, QWEN3, programs, warps, prefetch, stripes)
+    p = Persistent(w, QWEN3, programs, warps, prefetch)
     kernel = p.compiled()
-    row = dict(G=programs, warps=warps, prefetch=prefetch, stripes=stripes, regs=kernel.n_regs, spills=kernel.n_spills)
+    row = dict(G=programs, warps=warps, prefetch=prefetch, regs=kernel.n_regs, spills=kernel.n_spills)
     row["resident"] = resident_programs(kernel, warps, ref_d.device)
     chain_reset = lambda: p.bar.zero_()  # noqa: E731  (the same small memsets as the kernel's reset)
     row["chain_us"] = graph_us(lambda: chain(w, QWEN3), lambda: (p.d.copy_(w["d0"]), p.res_b.zero_(), chain_reset()))
@@ -213,15 +211,15 @@ def variant(programs: int, warps: int, prefetch: int, stripes: int) -> dict:
     p.launch()
     torch.cuda.synchronize()
     row["ulps_d"], row["ulps_res"] = max_ulps(p.d, ref_d), max_ulps(p.res_b, ref_res)
-    row["barriers_seen"] = p.bar.sum().item()
+    row["barriers_seen"] = p.bar.item()
     row["persistent_us"] = graph_us(p.launch, p.reset)
     return row
 
 
-def barrier_us(programs: int, warps: int, stripes: int, n: int = 112) -> tuple[float, bool]:
-    bar = torch.zeros(32 * stripes, device="cuda", dtype=torch.int32)
+def barrier_us(programs: int, warps: int, n: int = 112) -> tuple[float, bool]:
+    bar = torch.zeros(1, device="cuda", dtype=torch.int32)
     out = torch.zeros(programs, device="cuda", dtype=torch.int32)
-    launch = lambda: barrier_kernel[(programs,)](bar, out, n, STRIPES=stripes, num_warps=warps)  # noqa: E731
+    launch = lambda: barrier_kernel[(programs,)](bar, out, n, num_warps=warps)  # noqa: E731
     bar.zero_()
     launch()
     torch.cuda.synchronize()
@@ -240,22 +238,19 @@ def gpu(out: str | None) -> None:
         "Barriers alone (112 a step, one launch):",
         "",
     ]
-    for programs, warps in sorted({(g, wp) for g, wp, _, _ in VARIANTS}):
-        for stripes in BARRIER_STRIPES:
-            us, once = barrier_us(programs, warps, stripes)
-            lines.append(
-                f"- {programs} programs x {warps} warps, {stripes} stripes: {us:.1f} us "
-                f"({us / 112:.2f} us a barrier); each program counted once: {once}"
-            )
-            print(lines[-1], flush=True)
+    for programs, warps in sorted({(g, wp) for g, wp, _ in VARIANTS}):
+        us, once = barrier_us(programs, warps)
+        lines.append(f"- {programs} programs x {warps} warps: {us:.1f} us ({us / 112:.2f} us a barrier); "
+                     f"each program counted once: {once}")  # fmt: skip
+        print(lines[-1], flush=True)
     lines += [
         "",
-        "| programs | warps | prefetch | stripes | regs | spills | resident | chain us | persistent us | "
+        "| programs | warps | prefetch | regs | spills | resident | chain us | persistent us | "
         "reset us | chain / persistent (reset off) | max ulps d / residual | barrier count |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
-    for programs, warps, prefetch, stripes in VARIANTS:
-        cmd = [sys.executable, __file__, "variant", *map(str, (programs, warps, prefetch, stripes))]
+    for programs, warps, prefetch in VARIANTS:
+        cmd = [sys.executable, __file__, "variant", str(programs), str(warps), str(prefetch)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
             rows = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -268,13 +263,12 @@ def gpu(out: str | None) -> None:
         if "persistent_us" in row:
             ratio = f"{(row['chain_us'] - row['reset_us']) / (row['persistent_us'] - row['reset_us']):.2f}x"
         lines.append(
-            f"| {programs} | {warps} | {prefetch} | {stripes} | {g('regs', '{}')} | {g('spills', '{}')} | "
-            f"{g('resident', '{}')} | "
+            f"| {programs} | {warps} | {prefetch} | {g('regs', '{}')} | {g('spills', '{}')} | {g('resident', '{}')} | "
             f"{g('chain_us')} | {g('persistent_us')} | {g('reset_us')} | {ratio} | "
             f"{g('ulps_d')} / {g('ulps_res')} | {g('barriers_seen', '{}')} |"
         )
         if "note" in row:
-            lines.append(f"|  |  |  |  |  |  |  |  |  |  |  | {row['note']} |  |")
+            lines.append(f"|  |  |  |  |  |  |  |  |  |  | {row['note']} |  |")
     print("\n".join(lines))
     if out:
         write_result(out, "One persistent launch for all layers' projections vs the gemv chain (batch 1)", env,
@@ -284,7 +278,7 @@ def gpu(out: str | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["check", "gpu", "variant"])
-    ap.add_argument("params", nargs="*", type=int, help="variant: programs warps prefetch stripes")
+    ap.add_argument("params", nargs="*", type=int, help="variant: programs warps prefetch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.mode == "check":
