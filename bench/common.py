@@ -119,6 +119,13 @@ def build_runner(model: str, device: str, dtype: str | None, **runner_kwargs):
     return path, runner
 
 
+def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference in bf16 units in the last place of the reference (near zero, of
+    2^-6), for comparing a kernel's output with another's."""
+    eps = torch.finfo(torch.bfloat16).eps
+    return ((out.float() - ref.float()).abs() / (eps * ref.float().abs().clamp(min=2**-6))).max().item()
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + written), median of repeats."""
     if device.type != "cuda":

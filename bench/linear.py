@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import copy_bandwidth, environment, write_result  # noqa: E402
+from bench.common import copy_bandwidth, environment, ulps, write_result  # noqa: E402
 
 # name: (N, K) of Qwen3-0.6B (hidden 1024, 16 q heads and 8 kv heads of 128, intermediate 3072)
 SHAPES = {
@@ -53,11 +53,6 @@ def graph_us(fn, copies: int = 1, calls: int = 40, reps: int = 10) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / (calls * reps)
-
-
-def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
-    eps = torch.finfo(torch.bfloat16).eps
-    return ((out.float() - ref.float()).abs() / (eps * ref.float().abs().clamp(min=2**-6))).max().item()
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import copy_bandwidth, environment, write_result  # noqa: E402
+from bench.common import copy_bandwidth, environment, ulps, write_result  # noqa: E402
 from bench.persistent_kernel import _arrive, _wait, layers_kernel  # noqa: E402
 from pico_kernels.triton_common import cdiv, fix_bf16_rounding, next_pow2  # noqa: E402
 
@@ -134,11 +134,6 @@ class Persistent:
         return kernel
 
 
-def max_ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
-    eps = torch.finfo(torch.bfloat16).eps
-    return ((out.float() - ref.float()).abs() / (eps * ref.float().abs().clamp(min=2**-6))).max().item()
-
-
 def check(programs: tuple[int, ...] = (3, 5)) -> list[tuple[int, float, float]]:
     """Phase by phase in the interpreter at TINY's shapes, against the chain: (programs, max
     ulps of the output, of the residual) for each program count."""
@@ -149,7 +144,7 @@ def check(programs: tuple[int, ...] = (3, 5)) -> list[tuple[int, float, float]]:
     for g in programs:
         p = Persistent(w, TINY, g, 4, 1)
         p.run_phases()
-        found.append((g, max_ulps(p.d, ref_d), max_ulps(p.res_b, ref_res)))
+        found.append((g, ulps(p.d, ref_d), ulps(p.res_b, ref_res)))
         print(f"G={g}: max ulps d {found[-1][1]:.1f}, residual {found[-1][2]:.1f}")
     return found
 
@@ -210,7 +205,7 @@ def variant(programs: int, warps: int, prefetch: int) -> dict:
     p.reset()
     p.launch()
     torch.cuda.synchronize()
-    row["ulps_d"], row["ulps_res"] = max_ulps(p.d, ref_d), max_ulps(p.res_b, ref_res)
+    row["ulps_d"], row["ulps_res"] = ulps(p.d, ref_d), ulps(p.res_b, ref_res)
     row["barriers_seen"] = p.bar.item()
     row["persistent_us"] = graph_us(p.launch, p.reset)
     return row
