@@ -9,7 +9,7 @@ Attention is left out of both (phase B projects the query itself), so the figure
 projections' share of the step.
 
     python bench/persistent_probe.py check                      # the CPU (interpreter) check
-    python bench/persistent_probe.py gpu [--out results.md]     # the H200: timings
+    python bench/persistent_probe.py gpu [--out results.md]     # on a GPU: the timings
 
 The GPU run first times a kernel that does nothing but the barriers (its count also checks
 that a scalar atomic counts once a program), then each (programs, warps, prefetch) variant in
