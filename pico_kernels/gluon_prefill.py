@@ -116,7 +116,8 @@ def _prefill_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -149,13 +150,14 @@ def _prefill_kernel(
                     mask=q_mask, other=0.0)  # fmt: skip
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_l, q)
 
-        k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], tile_smem)
+        k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_DIM], tile_smem)
         v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], tile_smem)
         table = block_tables_ptr + seq.to(gl.int64) * stride_bt
         k_head = k_cache_ptr + kv_head.to(gl.int64) * stride_kh
         v_head = v_cache_ptr + kv_head.to(gl.int64) * stride_vh
 
-        # Groups in issue order: K0, K1, V0, then per tile j: K_{j+2}, V_{j+1}.
+        # Groups in issue order: K0, K1, V0, then for each tile j: K_{j+2}, V_{j+1}. So at the
+        # start of tile j the two groups after V_{j-1} may still be in flight.
         _issue_tile(k_smem.index(0), k_head, stride_kb, stride_ks, table, 0, kv_end, PAGE)
         _issue_tile(k_smem.index(1), k_head, stride_kb, stride_ks, table, BLOCK_N, kv_end, PAGE)
         _issue_tile(v_smem.index(0), v_head, stride_vb, stride_vs, table, 0, kv_end, PAGE)
@@ -169,32 +171,40 @@ def _prefill_kernel(
         l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, mma))
 
         # Tile 0: its scores alone.
-        async_copy.wait_group(1)
+        async_copy.wait_group(2)
         _barrier()
+        if K_STAGES == 3:
+            _issue_tile(k_smem.index(2), k_head, stride_kb, stride_ks, table, 2 * BLOCK_N, kv_end, PAGE)
         fence_async_shared()
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zeros, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        _barrier()
-        _issue_tile(k_smem.index(0), k_head, stride_kb, stride_ks, table, 2 * BLOCK_N, kv_end, PAGE)
+        if K_STAGES == 2:
+            _barrier()
+            _issue_tile(k_smem.index(0), k_head, stride_kb, stride_ks, table, 2 * BLOCK_N, kv_end, PAGE)
         p, alpha, m_i, l_i = _softmax(s, 0, full_end, q_pos, offs_n, m_i, l_i, scale_log2)
         _issue_tile(v_smem.index(1), v_head, stride_vb, stride_vs, table, BLOCK_N, kv_end, PAGE)
 
         for j in range(1, n_tiles):
-            stage = j % 2
+            k_stage = j % K_STAGES
+            v_stage = 1 - j % 2  # V_{j-1}'s
             async_copy.wait_group(2)  # K_j and V_{j-1} are in
             _barrier()
+            if K_STAGES == 3:  # K_{j-1}'s stage: every warpgroup is done with it
+                k_next = k_smem.index((j + 2) % 3)
+                _issue_tile(k_next, k_head, stride_kb, stride_ks, table, (j + 2) * BLOCK_N, kv_end, PAGE)
             fence_async_shared()
-            s_j = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), zeros, use_acc=False, is_async=True)
+            s_j = warpgroup_mma(q_smem, k_smem.index(k_stage).permute((1, 0)), zeros, use_acc=False, is_async=True)
             acc = acc * gl.expand_dims(alpha, 1)
             pv = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(pv, v_smem.index(1 - stage), acc, is_async=True)
+            acc = warpgroup_mma(pv, v_smem.index(v_stage), acc, is_async=True)
             s_j = warpgroup_mma_wait(num_outstanding=1 if OVERLAP else 0, deps=(s_j,))
-            _barrier()  # every warpgroup is done with K_j's stage
-            _issue_tile(k_smem.index(stage), k_head, stride_kb, stride_ks, table, (j + 2) * BLOCK_N, kv_end, PAGE)
+            if K_STAGES == 2:
+                _barrier()  # every warpgroup is done with K_j's stage
+                _issue_tile(k_smem.index(k_stage), k_head, stride_kb, stride_ks, table, (j + 2) * BLOCK_N, kv_end, PAGE)
             p, alpha, m_i, l_i = _softmax(s_j, j * BLOCK_N, full_end, q_pos, offs_n, m_i, l_i, scale_log2)
             acc, pv = warpgroup_mma_wait(num_outstanding=0, deps=(acc, pv))
             _barrier()  # and with V_{j-1}'s
-            _issue_tile(v_smem.index(1 - stage), v_head, stride_vb, stride_vs, table, (j + 1) * BLOCK_N, kv_end, PAGE)
+            _issue_tile(v_smem.index(v_stage), v_head, stride_vb, stride_vs, table, (j + 1) * BLOCK_N, kv_end, PAGE)
 
         # The last tile's P V.
         async_copy.wait_group(2)
@@ -223,6 +233,7 @@ def prefill(
     scale: float,
     out: torch.Tensor,  # (Nq, Hq, D)
     overlap: bool = True,
+    k_stages: int = 3,
 ) -> torch.Tensor:
     """The launch, for inputs `supported` takes (q's rows contiguous, the cache's too)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -238,6 +249,6 @@ def prefill(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, OVERLAP=overlap, num_warps=NUM_WARPS,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K_STAGES=k_stages, OVERLAP=overlap, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
