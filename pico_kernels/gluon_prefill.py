@@ -15,8 +15,13 @@ issued asynchronously and waited for by hand, as FlashAttention-3 pipelines one 
     wait for S_j; softmax(S_j) -> P_j, alpha_j   (beside the P V product)
     wait for O
 
-K and V tiles are gathered from the pages by cp.async into two-stage rings, K_{j+2} requested
-as soon as S_j is done with its stage and V_{j+1} once the product reading V_{j-1} is.
+K and V tiles are gathered from the pages by cp.async, K into a three-stage ring (K_{j+2}
+requested at the start of tile j), V into two stages (V_{j+1} once the product reading V_{j-1}
+is done).
+
+The default prefill does not take it yet: `supported` is the dispatch condition it is meant
+for, and `bench/gluon_prefill_probe.py` the GPU check and timing against the Triton kernel that
+decides it (bench/NOTES.md, "Prefill attention: the softmax beside the P V product").
 """
 
 from __future__ import annotations

@@ -33,8 +33,10 @@ def compile_for_hopper(head_dim: int):
 
     types = ["*bf16"] * 3 + ["*i32"] * 3 + ["*bf16"]
     signature = dict(zip(POINTERS, types)) | {"scale_log2": "fp32"} | dict.fromkeys(INTS, "i32")
-    constants = dict(GROUP=4, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=gluon_prefill.BLOCK_M,
-                     BLOCK_N=gluon_prefill.BLOCK_N, K_STAGES=3, OVERLAP=True, num_warps=gluon_prefill.NUM_WARPS)  # fmt: skip
+    block_m, block_n, warps = gluon_prefill.BLOCK_M, gluon_prefill.BLOCK_N, gluon_prefill.NUM_WARPS
+    # in the kernel's order of parameters
+    constants = dict(GROUP=4, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, K_STAGES=3, OVERLAP=True,
+                     num_warps=warps)  # fmt: skip
     signature |= dict.fromkeys(constants, "constexpr")
     names = list(signature)
     aligned = [i for i, n in enumerate(names) if n in POINTERS or n.startswith("stride")]
