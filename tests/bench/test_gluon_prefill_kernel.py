@@ -1,7 +1,7 @@
-"""The Hopper prefill kernel (pico_kernels.gluon_prefill) compiled for sm_90 on the CPU: it
+"""The Hopper prefill probe (bench/gluon_prefill_kernel.py) compiled for sm_90 on the CPU: it
 builds with the installed Triton, fits the registers without spilling, and keeps the schedule
 it exists for (a score product still in flight while the softmax runs). Its numerics are
-checked on the GPU: the default prefill launches in test_kernels_gpu.py take it on Hopper.
+checked on a GPU by bench/gluon_prefill_probe.py.
 
 The build runs in a child process (this module as a script): under the interpreter, which
 the CPU suite sets before the kernels are decorated, nothing compiles."""
@@ -29,7 +29,7 @@ def compile_for_hopper(head_dim: int):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from pico_kernels import gluon_prefill
+    from bench import gluon_prefill_kernel as gluon_prefill
 
     types = ["*bf16"] * 3 + ["*i32"] * 3 + ["*bf16"]
     signature = dict(zip(POINTERS, types)) | {"scale_log2": "fp32"} | dict.fromkeys(INTS, "i32")
@@ -70,7 +70,7 @@ def hopper_build(head_dim: int, tmp_path: Path) -> dict:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_prefill_compiles_overlapped_without_spills(head_dim, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "tests.kernels.test_gluon_prefill", str(head_dim), str(tmp_path)]
+    cmd = [sys.executable, "-m", "tests.bench.test_gluon_prefill_kernel", str(head_dim), str(tmp_path)]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     build = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,27 +1,26 @@
-"""Paged prefill attention for Hopper in Gluon: the scores of the next key tile computed while
-the current tile's softmax runs.
+"""A probe, not the model's path: paged prefill attention for Hopper in Gluon, the softmax
+of a key tile run while the previous tile's P V product is in flight
+(bench/gluon_prefill_probe.py checks it and times it against pico_kernels.triton_prefill).
 
-The same contract, grid and tile numbering as `pico_kernels.triton_prefill` (whose
-`_find_seq` it shares), for the case that dominates long prompts: 16-bit queries over a cache
-of the same dtype, head_dim 64 or 128, no sliding window, 128 query rows of one head a program.
+The same contract, grid and tile numbering (its `_find_seq`) as the Triton kernel, for long prompts:
+16-bit queries over a cache of the same dtype, head_dim 64 or 128, no sliding window, 128
+query rows of one head a program, 8 warps.
 
 What it changes is the schedule of a key tile. Triton waits for each warpgroup matrix product
 before its result is used, so a tile's exponentials run between its two products, never
 beside them (bench/NOTES.md, "Prefill attention: the launch order"). Here the products are
-issued asynchronously and waited for by hand, as FlashAttention-3 pipelines one warpgroup:
+issued asynchronously and waited for by count, as FlashAttention-3 pipelines one warpgroup:
 
     S_j = Q K_j^T        issued
     O   = O * alpha_{j-1} + P_{j-1} V_{j-1}   issued
     wait for S_j; softmax(S_j) -> P_j, alpha_j   (beside the P V product)
     wait for O
 
-K and V tiles are gathered from the pages by cp.async, K into a three-stage ring (K_{j+2}
-requested at the start of tile j), V into two stages (V_{j+1} once the product reading V_{j-1}
-is done).
-
-The default prefill does not take it yet: `supported` is the dispatch condition it is meant
-for, and `bench/gluon_prefill_probe.py` the GPU check and timing against the Triton kernel that
-decides it (bench/NOTES.md, "Prefill attention: the softmax beside the P V product").
+K and V tiles are gathered from the pages by cp.async, K into a ring of K_STAGES (3: K_{j+2}
+requested at the start of tile j; 2: once both warpgroups have S_j), V into two stages (V_{j+1}
+once the product reading V_{j-1} is done). OVERLAP=False waits for S_j and P V together (the
+control). Measured on an H100 it does not beat the Triton kernel (bench/NOTES.md, "Prefill
+attention: the softmax beside the P V product").
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from pico_kernels.triton_common import LOG2E
+from pico_kernels.triton_prefill import _find_seq
 
 # Names that changed after Triton 3.6: the cp.async copy (async_load) and the CTA barrier.
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -41,38 +41,6 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 BLOCK_M = 128  # query rows a program: two warpgroups of 64
 BLOCK_N = 128  # keys a tile
 NUM_WARPS = 8
-
-
-def supported(q: torch.Tensor, k_cache: torch.Tensor, window: int, max_query_len: int) -> bool:
-    """Whether this kernel takes a default launch: a Hopper GPU, 16-bit q and cache of one
-    dtype, head_dim 64 or 128, full attention, and not only short queries (those take the
-    Triton kernel's 64-row tiles with the GQA heads packed, triton_prefill.SHORT_QUERIES)."""
-    from pico_kernels.triton_prefill import SHORT_QUERIES
-
-    return (
-        q.is_cuda
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and k_cache.dtype == q.dtype
-        and q.shape[-1] in (64, 128)
-        and window == 0
-        and not 0 < max_query_len <= SHORT_QUERIES
-    )
-
-
-@gluon.jit
-def _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, TOKENS: gl.constexpr):
-    """The b with cu_q[b] // TOKENS + b <= tile_id < cu_q[b + 1] // TOKENS + b + 1."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = gl.load(cu_seqlens_q_ptr + mid) // TOKENS + mid
-        if first_tile <= tile_id:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
 
 
 @gluon.constexpr_function
@@ -240,7 +208,7 @@ def prefill(
     overlap: bool = True,
     k_stages: int = 3,
 ) -> torch.Tensor:
-    """The launch, for inputs `supported` takes (q's rows contiguous, the cache's too)."""
+    """The launch: 16-bit q and cache of one dtype, head_dim 64 or 128, rows contiguous."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
