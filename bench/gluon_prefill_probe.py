@@ -5,8 +5,9 @@
 Checks it against the torch reference on ragged batches (cached prefixes, shuffled pages,
 GQA, head_dim 64 and 128, bf16 and fp16), then times both kernels at the prefill shapes of
 bench/attention.py (a 4k prompt with 0 and 3k cached, 32 query and 8 KV heads, D 128, 16-token
-pages) and a batch of eight 512-token prompts, with the overlap of the softmax and the P V
-product on and off. Timing as bench/attention.py: do_bench's median, a cold L2 each call.
+pages), a batch of eight 512-token prompts and a 16k prompt: the probe with three K stages, and
+as controls with two, and with the overlap of the softmax and the P V product off. Timing as
+bench/attention.py: do_bench's median, a cold L2 each call.
 """
 
 from __future__ import annotations
