@@ -1,12 +1,15 @@
-"""The Hopper prefill probe (bench/gluon_prefill_kernel.py) against the Triton kernel, on a GPU.
+"""The Hopper prefill probes (bench/gluon_prefill_kernel.py, bench/gluon_prefill_ws.py) against
+the Triton kernel, on a GPU.
 
-    python bench/gluon_prefill_probe.py [--rep MS] [--out bench/results/gluon_prefill_h100.md]
+    python bench/gluon_prefill_probe.py [--rep MS] [--out bench/results/gluon_prefill_ws_h100.md]
 
-Checks it against the torch reference on ragged batches (cached prefixes, shuffled pages,
-GQA, head_dim 64 and 128, bf16 and fp16), then times both kernels at the prefill shapes of
-bench/attention.py (a 4k prompt with 0 and 3k cached, 32 query and 8 KV heads, D 128, 16-token
-pages), a batch of eight 512-token prompts and a 16k prompt: the probe with three K stages, and
-as controls with two, and with the overlap of the softmax and the P V product off. Timing as
+Checks them against the torch reference on ragged batches (cached prefixes, shuffled pages,
+GQA, head_dim 64 and 128, bf16 and fp16; every cache slot past a sequence's end, and every
+spare page, NaN), then times them at the prefill shapes of bench/attention.py (a 4k prompt with
+0 and 3k cached, 32 query and 8 KV heads, D 128, 16-token pages), a batch of eight 512-token
+prompts and a 16k prompt: the first probe (the softmax beside P V, cp.async, two K stages), and
+the warp-specialised one (a TMA producer warp, two consumer warpgroups on mbarriers) with two
+and three stages and, as the control, with the overlap within a consumer off. Timing as
 bench/attention.py: do_bench's median, a cold L2 each call.
 """
 
@@ -25,6 +28,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench import gluon_prefill_kernel as gluon_prefill  # noqa: E402
+from bench import gluon_prefill_ws  # noqa: E402
 from bench.attention import causal_flops  # noqa: E402
 from bench.kernel_setup import bench_ms, rel_err  # noqa: E402
 from pico_kernels.reference import paged_prefill_attention_ref  # noqa: E402
@@ -32,21 +36,34 @@ from pico_kernels.triton_prefill import default_prefill_config, prefill_with_con
 
 PAGE = 16
 TRITON = default_prefill_config(torch.bfloat16, 128)  # the Triton kernel's default 128 x 128 tiles
+# The probes, each a launch of (q, k, v, table, cu, lens, scale, out).
+PROBES = {
+    "cp.async": partial(gluon_prefill.prefill, k_stages=2),
+    "WS": gluon_prefill_ws.prefill,
+    "WS 3 stages": partial(gluon_prefill_ws.prefill, stages=3),
+    "WS no overlap": partial(gluon_prefill_ws.prefill, overlap=False),
+}
 
 
 def ragged(q_lens, cached, hq, hkv, d, dtype, gen):
-    """A shuffled page pool holding the batch's sequences, their new tokens' queries."""
+    """A shuffled page pool holding the batch's sequences, their new tokens' queries; the
+    slots past each sequence's end and the spare pages hold NaN, which no kernel may read."""
     seq_lens = [q + c for q, c in zip(q_lens, cached)]
     blocks = [-(-s // PAGE) for s in seq_lens]
     num_blocks = sum(blocks) + 3
-    k = torch.randn((num_blocks, PAGE, hkv, d), dtype=dtype, device="cuda", generator=gen)
-    v = torch.randn((num_blocks, PAGE, hkv, d), dtype=dtype, device="cuda", generator=gen)
+    k = torch.full((num_blocks, PAGE, hkv, d), float("nan"), dtype=dtype, device="cuda")
+    v = torch.full_like(k, float("nan"))
     perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
     table = torch.zeros((len(q_lens), max(blocks)), dtype=torch.int32, device="cuda")
     at = 0
-    for b, n in enumerate(blocks):
+    for b, (n, length) in enumerate(zip(blocks, seq_lens)):
         table[b, :n] = perm[at : at + n]
         at += n
+        pages = table[b, :n].long()
+        for cache in (k, v):
+            rows = torch.randn((n * PAGE, hkv, d), dtype=dtype, device="cuda", generator=gen)
+            rows[length:] = float("nan")
+            cache[pages] = rows.view(n, PAGE, hkv, d)
     q = torch.randn((sum(q_lens), hq, d), dtype=dtype, device="cuda", generator=gen)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
@@ -61,26 +78,28 @@ def check(gen) -> list[str]:
         ([257, 33], [95, 1], 8, 8, 64, torch.bfloat16),
         ([2048], [2048], 32, 8, 128, torch.bfloat16),
     ]
-    lines = ["| new tokens | cached | Hq / Hkv | D | dtype | rel err Hopper (3 / 2 K stages) | rel err Triton "
-             "| max abs diff | ok |", "| --- | --- | --- | --- | --- | ---: | ---: | ---: | --- |"]  # fmt: skip
+    names = " / ".join(PROBES)
+    lines = [f"| new tokens | cached | Hq / Hkv | D | dtype | rel err Triton | rel err {names} | max abs diff | ok |",
+             "| --- | --- | --- | --- | --- | ---: | ---: | ---: | --- |"]  # fmt: skip
     for q_lens, cached, hq, hkv, d, dtype in cases:
         q, k, v, table, cu, lens = ragged(q_lens, cached, hq, hkv, d, dtype, gen)
         scale = d**-0.5
         ref = paged_prefill_attention_ref(q.float(), k.float(), v.float(), table, cu, lens, scale)
-        outs = [gluon_prefill.prefill(q, k, v, table, cu, lens, scale, torch.full_like(q, float("nan")), k_stages=ks)
-                for ks in (3, 2)]  # fmt: skip
         base = prefill_with_config(q, k, v, table, cu, lens, scale, TRITON)
+        outs = [fn(q, k, v, table, cu, lens, scale, torch.full_like(q, float("nan"))) for fn in PROBES.values()]
         errs, base_err = [rel_err(out, ref) for out in outs], rel_err(base, ref)
         diff = max(float((out.float() - ref).abs().max()) for out in outs)
         ok = max(errs) <= 1.5 * base_err + 1e-3 and all(torch.isfinite(out).all().item() for out in outs)
-        lines.append(f"| {q_lens} | {cached} | {hq} / {hkv} | {d} | {str(dtype)[6:]} | {errs[0]:.2e} / {errs[1]:.2e} "
-                     f"| {base_err:.2e} | {diff:.2e} | {'yes' if ok else '**no**'} |")  # fmt: skip
+        cells = " / ".join(f"{e:.2e}" for e in errs)
+        lines.append(f"| {q_lens} | {cached} | {hq} / {hkv} | {d} | {str(dtype)[6:]} | {base_err:.2e} | {cells} "
+                     f"| {diff:.2e} | {'yes' if ok else '**no**'} |")  # fmt: skip
+        print(lines[-1], flush=True)
     return lines
 
 
 def timing(gen, rep: int) -> list[str]:
-    head = "| case | Triton ms | TFLOP/s | Hopper ms | TFLOP/s | 2 K stages ms | TFLOP/s | no overlap ms | TFLOP/s |"
-    lines = [head + " Hopper / Triton |", "| --- |" + " ---: |" * 9]
+    head = "| case | Triton ms | TFLOP/s |" + "".join(f" {name} ms | TFLOP/s |" for name in PROBES)
+    lines = [head + " best / Triton |", "| --- |" + " ---: |" * (2 * len(PROBES) + 3)]
     cases = [("4096-token prompt, 0 cached", [4096], [0]), ("4096-token prompt, 3072 cached", [1024], [3072]),
              ("8 x 512-token prompts, 0 cached", [512] * 8, [0] * 8),
              ("16384-token prompt, 0 cached", [16384], [0])]  # fmt: skip
@@ -89,14 +108,12 @@ def timing(gen, rep: int) -> list[str]:
         scale = 128**-0.5
         flops = sum(causal_flops(ql, ql + c) for ql, c in zip(q_lens, cached))
         out = torch.empty_like(q)
-        fns = [partial(prefill_with_config, q, k, v, table, cu, lens, scale, TRITON, out),
-               partial(gluon_prefill.prefill, q, k, v, table, cu, lens, scale, out),
-               partial(gluon_prefill.prefill, q, k, v, table, cu, lens, scale, out, k_stages=2),
-               partial(gluon_prefill.prefill, q, k, v, table, cu, lens, scale, out, overlap=False)]  # fmt: skip
+        fns = [partial(prefill_with_config, q, k, v, table, cu, lens, scale, TRITON, out)]
+        fns += [partial(fn, q, k, v, table, cu, lens, scale, out) for fn in PROBES.values()]
         ms = [bench_ms(fn, rep) for fn in fns]
         tf = [flops / t / 1e9 for t in ms]
         cells = " | ".join(f"{t:.3f} | {f:.0f}" for t, f in zip(ms, tf))
-        lines.append(f"| {name} | {cells} | {ms[0] / ms[1]:.2f}x |")
+        lines.append(f"| {name} | {cells} | {ms[0] / min(ms[1:]):.2f}x |")
         print(lines[-1], flush=True)
     return lines
 
@@ -111,7 +128,7 @@ def main() -> int:
     print("\n".join(checks), flush=True)
     times = timing(gen, args.rep)
     head = [
-        "# Prefill attention: the Hopper kernel against the Triton kernel",
+        "# Prefill attention: the Hopper probes against the Triton kernel",
         "",
         f"- date: {datetime.date.today()}, GPU: {torch.cuda.get_device_name()}",
         f"- torch {torch.__version__}, triton {triton.__version__}",

@@ -1,6 +1,7 @@
-"""The Hopper prefill probe (bench/gluon_prefill_kernel.py) compiled for sm_90 on the CPU: it
-builds with the installed Triton, fits the registers without spilling, and keeps the schedule
-it exists for (a score product still in flight while the softmax runs). Its numerics are
+"""The Hopper prefill probes (bench/gluon_prefill_kernel.py, bench/gluon_prefill_ws.py) compiled
+for sm_90 on the CPU: they build with the installed Triton, fit the shared memory, and keep the
+schedule each exists for (a score product still in flight while the softmax runs; for the
+warp-specialised one, TMA loads and per-partition register budgets). Their numerics are
 checked on a GPU by bench/gluon_prefill_probe.py.
 
 The build runs in a child process (this module as a script): under the interpreter, which
@@ -49,6 +50,34 @@ def compile_for_hopper(head_dim: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": gluon_prefill.NUM_WARPS})
 
 
+def compile_ws_for_hopper(head_dim: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from bench import gluon_prefill_ws
+
+    layout = gl.NVMMASharedLayout.get_default_for([16, head_dim], gl.bfloat16)
+    desc = f"tensordesc<bf16[16, {head_dim}],{layout}>"
+    ptrs = ["q_ptr", "block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr", "out_ptr"]
+    signature = {"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc} | dict.fromkeys(ptrs[1:4], "*i32")
+    signature |= {"out_ptr": "*bf16", "scale_log2": "fp32", "num_seqs": "i32"}
+    signature |= dict.fromkeys(["stride_qt", "stride_qh", "stride_bt", "stride_ot", "stride_oh"], "i32")
+    constants = dict(GROUP=4, STAGES=2, OVERLAP=True, num_warps=gluon_prefill_ws.NUM_WARPS)
+    signature |= dict.fromkeys(constants, "constexpr")
+    names = list(signature)
+    aligned = [i for i, n in enumerate(names) if n in ptrs or n.startswith("stride")]
+    src = GluonASTSource(
+        gluon_prefill_ws._prefill_ws_kernel,
+        signature,
+        constexprs={(names.index(k),): v for k, v in constants.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+    )
+    options = {"num_warps": gluon_prefill_ws.NUM_WARPS, "maxnreg": gluon_prefill_ws.MAXNREG}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def ptxas_report(ptx: str, tmp_path: Path) -> str:
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -60,24 +89,43 @@ def ptxas_report(ptx: str, tmp_path: Path) -> str:
     return done.stdout + done.stderr
 
 
-def hopper_build(head_dim: int, tmp_path: Path) -> dict:
-    kernel = compile_for_hopper(head_dim)
+def hopper_build(kind: str, head_dim: int, tmp_path: Path) -> dict:
+    kernel = (compile_ws_for_hopper if kind == "ws" else compile_for_hopper)(head_dim)
     ptx = kernel.asm["ptx"]
     waits = sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
-    return {"waits": waits, "shared": kernel.metadata.shared, "ptxas": ptxas_report(ptx, tmp_path)}
+    return {
+        "waits": waits,
+        "shared": kernel.metadata.shared,
+        "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)),
+        "register_budgets": sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
+        "ptxas": ptxas_report(ptx, tmp_path),
+    }
+
+
+def build_in_child(kind: str, head_dim: int, tmp_path: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "tests.bench.test_gluon_prefill_kernel", kind, str(head_dim), str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_prefill_compiles_overlapped_without_spills(head_dim, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "tests.bench.test_gluon_prefill_kernel", str(head_dim), str(tmp_path)]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    build = json.loads(done.stdout.strip().splitlines()[-1])
+    build = build_in_child("cp.async", head_dim, tmp_path)
     assert build["waits"] == ["0", "1"], build  # 1: the next tile's scores waited for with P V in flight
     assert build["shared"] <= 227 * 1024, build
     assert "0 bytes spill stores" in build["ptxas"], build["ptxas"]
 
 
+def test_warp_specialised_prefill_compiles_with_tma_and_register_budgets(tmp_path):
+    build = build_in_child("ws", 128, tmp_path)
+    assert build["waits"] == ["0", "1"], build
+    assert build["shared"] <= 227 * 1024, build
+    # K, V and V's last tile, 8 pages a tile, each [16, 128] box issued as two 128-byte-wide copies
+    assert build["tma_loads"] == 3 * 8 * 2, build
+    assert {"40", "232"} <= set(build["register_budgets"]), build  # the producer's and the consumers'
+
+
 if __name__ == "__main__":
-    print(json.dumps(hopper_build(int(sys.argv[1]), Path(sys.argv[2]))))
+    print(json.dumps(hopper_build(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))))
