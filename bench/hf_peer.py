@@ -22,8 +22,11 @@ def run_hf_continuous_batching(
     device: torch.device,
     dtype: torch.dtype,
     timeout_s: float = 1800.0,
+    cache_blocks: int | None = None,
 ) -> tuple[float, int]:
-    """Returns (seconds, output tokens) for all requests, from the first add to the last result."""
+    """Returns (seconds, output tokens) for all requests, from the first add to the last result.
+    cache_blocks None lets transformers size its cache from the free memory (on a CPU, from
+    the RAM: tens of seconds before the first token); a number fixes it."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
@@ -36,7 +39,13 @@ def run_hf_continuous_batching(
         eos_token_id=None,
         pad_token_id=0,  # the workload ignores EOS
     )
-    manager = model.init_continuous_batching(generation_config=gen)
+    if cache_blocks is None:
+        manager = model.init_continuous_batching(generation_config=gen)
+    else:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        sizes = ContinuousBatchingConfig(num_blocks=cache_blocks, max_batch_tokens=max(map(len, prompts)) + 16)
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=sizes)
     manager.start()
     try:
         warm = manager.add_request(prompts[0][:16], request_id="warm-up", max_new_tokens=4)

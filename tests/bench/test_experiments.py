@@ -84,7 +84,7 @@ def test_hf_peer_runs_the_workload_with_per_request_lengths(tmp_path):
     prompts = [[5, 6, 7, 8], list(range(10, 40)), [9] * 17]
     lengths = [3, 11, 6]
     seconds, tokens = run_hf_continuous_batching(
-        str(tmp_path), prompts, lengths, 0.6, torch.device("cpu"), torch.float32
+        str(tmp_path), prompts, lengths, 0.6, torch.device("cpu"), torch.float32, cache_blocks=16
     )
     assert tokens == sum(lengths) and seconds > 0
 
