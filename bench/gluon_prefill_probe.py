@@ -8,8 +8,9 @@ GQA, head_dim 64 and 128, bf16 and fp16; every cache slot past a sequence's end,
 spare page, NaN), then times them at the prefill shapes of bench/attention.py (a 4k prompt with
 0 and 3k cached, 32 query and 8 KV heads, D 128, 16-token pages), a batch of eight 512-token
 prompts and a 16k prompt: the first probe (the softmax beside P V, cp.async, two K stages), and
-the warp-specialised one (a TMA producer warp, two consumer warpgroups on mbarriers) with two
-and three stages and, as the control, with the overlap within a consumer off. Timing as
+the warp-specialised one (a TMA producer warp, two consumer warpgroups on mbarriers taking turns
+to issue their products) with two and three stages and, as controls, without the turns and
+with the overlap within a consumer off. Timing as
 bench/attention.py: do_bench's median, a cold L2 each call.
 """
 
@@ -41,6 +42,7 @@ PROBES = {
     "cp.async": partial(gluon_prefill.prefill, k_stages=2),
     "WS": gluon_prefill_ws.prefill,
     "WS 3 stages": partial(gluon_prefill_ws.prefill, stages=3),
+    "WS no ping-pong": partial(gluon_prefill_ws.prefill, pingpong=False),
     "WS no overlap": partial(gluon_prefill_ws.prefill, overlap=False),
 }
 

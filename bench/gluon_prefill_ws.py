@@ -63,6 +63,19 @@ def _release(bar):
 
 
 @gluon.jit
+def _take_turn(turn, half: gl.constexpr, k, PINGPONG: gl.constexpr):
+    """Round k of issuing products: consumer 0 first, then the two alternate."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(half), (k + 1 - half) & 1)
+
+
+@gluon.jit
+def _pass_turn(turn, half: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - half), count=1)
+
+
+@gluon.jit
 def _zero_rows_from(buf, valid):
     """Zero the rows of a [BLOCK_N, D] stage from `valid` on, 8 rows a plain load and store
     (one warp), fenced for the tensor cores' reads."""
@@ -91,7 +104,7 @@ def _load_pages(desc, buf, bar, table, n0, kv_end, col):
 
 @gluon.jit
 def _producer(k_desc, v_desc, k_smem, v_smem, bars, tail, table, kv_end, n_tiles, col):
-    k_ready, k_empty, v_ready, v_empty = bars
+    k_ready, k_empty, v_ready, v_empty, _ = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     for j in range(n_tiles):
         st = j % STAGES
@@ -112,9 +125,9 @@ def _producer(k_desc, v_desc, k_smem, v_smem, bars, tail, table, kv_end, n_tiles
 @gluon.jit
 def _consumer(
     half: gl.constexpr, q_ptr, out_ptr, q_smem, k_smem, v_smem, bars, head, row0, q_len, first_pos, full_end, n_tiles,
-    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, OVERLAP: gl.constexpr,
+    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
-    k_ready, k_empty, v_ready, v_empty = bars
+    k_ready, k_empty, v_ready, v_empty, turn = bars
     dtype: gl.constexpr = k_smem.dtype
     STAGES: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.shape[2]
@@ -143,7 +156,9 @@ def _consumer(
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, mma))
 
     mbarrier.wait(k_ready.index(0), 0)
+    _take_turn(turn, half, 0, PINGPONG)
     s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zeros, use_acc=False, is_async=True)
+    _pass_turn(turn, half, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     _release(k_empty.index(0))
     p, alpha, m_i, l_i = _softmax(s, 0, full_end, q_pos, offs_n, m_i, l_i, scale_log2)
@@ -152,11 +167,13 @@ def _consumer(
         st = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+        _take_turn(turn, half, j, PINGPONG)
         s_j = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), zeros, use_acc=False, is_async=True)
         acc = acc * gl.expand_dims(alpha, 1)
         pv = gl.convert_layout(p.to(dtype), a_layout)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(pv, v_smem.index(prev), acc, is_async=True)
+        _pass_turn(turn, half, PINGPONG)
         s_j = warpgroup_mma_wait(num_outstanding=1 if OVERLAP else 0, deps=(s_j,))
         _release(k_empty.index(st))
         p, alpha, m_i, l_i = _softmax(s_j, j * BLOCK_N, full_end, q_pos, offs_n, m_i, l_i, scale_log2)
@@ -167,7 +184,9 @@ def _consumer(
     acc = acc * gl.expand_dims(alpha, 1)
     pv = gl.convert_layout(p.to(dtype), a_layout)
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    _take_turn(turn, half, n_tiles, PINGPONG)
     acc = warpgroup_mma(pv, v_smem.index(last), acc, is_async=True)
+    _pass_turn(turn, half, PINGPONG)
     acc, pv = warpgroup_mma_wait(num_outstanding=0, deps=(acc, pv))
     _release(v_empty.index(last))
 
@@ -182,7 +201,8 @@ def _consumer(
 def _prefill_ws_kernel(
     q_ptr, k_desc, v_desc, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
     scale_log2, num_seqs, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
-    GROUP: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    GROUP: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -209,21 +229,24 @@ def _prefill_ws_kernel(
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         tail = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # both consumers
             mbarrier.init(v_empty.index(i), count=2)
         mbarrier.init(tail.index(0), count=1)
-        bars = (k_ready, k_empty, v_ready, v_empty)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        bars = (k_ready, k_empty, v_ready, v_empty, turn)
         row0 = q_start + m_start
         q_left = q_len - m_start
         gl.warp_specialize(
             [
                 (_consumer, (0, q_ptr, out_ptr, q_smem, k_smem, v_smem, bars, head, row0, q_left, first_pos, full_end,
-                             n_tiles, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, OVERLAP)),
+                             n_tiles, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, OVERLAP, PINGPONG)),
                 (_consumer, (1, q_ptr, out_ptr, q_smem, k_smem, v_smem, bars, head, row0, q_left, first_pos, full_end,
-                             n_tiles, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, OVERLAP)),
+                             n_tiles, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, OVERLAP, PINGPONG)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, bars, tail, table, kv_end, n_tiles,
                              (head // GROUP) * HEAD_DIM)),
             ],
@@ -253,6 +276,7 @@ def prefill(
     out: torch.Tensor,  # (Nq, Hq, D)
     overlap: bool = True,
     stages: int = 2,
+    pingpong: bool = True,
 ) -> torch.Tensor:
     """The launch: 16-bit q and cache of one dtype, head_dim 64 or 128, rows contiguous."""
     num_tokens, num_q_heads, _ = q.shape
@@ -263,6 +287,7 @@ def prefill(
     _prefill_ws_kernel[(num_q_heads, num_tiles)](
         q, cache_descriptor(k_cache), cache_descriptor(v_cache), block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E, num_seqs, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_q_heads // num_kv_heads, STAGES=stages, OVERLAP=overlap, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        GROUP=num_q_heads // num_kv_heads, STAGES=stages, OVERLAP=overlap, PINGPONG=pingpong,
+        num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )  # fmt: skip
     return out

@@ -64,7 +64,7 @@ def compile_ws_for_hopper(head_dim: int):
     signature = {"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc} | dict.fromkeys(ptrs[1:4], "*i32")
     signature |= {"out_ptr": "*bf16", "scale_log2": "fp32", "num_seqs": "i32"}
     signature |= dict.fromkeys(["stride_qt", "stride_qh", "stride_bt", "stride_ot", "stride_oh"], "i32")
-    constants = dict(GROUP=4, STAGES=2, OVERLAP=True, num_warps=gluon_prefill_ws.NUM_WARPS)
+    constants = dict(GROUP=4, STAGES=2, OVERLAP=True, PINGPONG=True, num_warps=gluon_prefill_ws.NUM_WARPS)
     signature |= dict.fromkeys(constants, "constexpr")
     names = list(signature)
     aligned = [i for i, n in enumerate(names) if n in ptrs or n.startswith("stride")]
