@@ -51,6 +51,22 @@ def _rows_layout(head_dim, num_warps):
 
 
 @gluon.jit
+def _tile_of_program(cu_seqlens_q_ptr, seq_lens_ptr, num_seqs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The program's row tile, numbered as the Triton kernel numbers them: its sequence, its
+    first query row, the rows left from there (<= 0: a spare program), the context position
+    of its first row, one past the last key any row sees, and where the causal mask starts."""
+    tile_id = gl.num_programs(1) - 1 - gl.program_id(1)
+    seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M)
+    q_start = gl.load(cu_seqlens_q_ptr + seq)
+    q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    m_start = (tile_id - (q_start // BLOCK_M + seq)) * BLOCK_M
+    first_pos = gl.load(seq_lens_ptr + seq) - q_len + m_start
+    kv_end = gl.minimum(first_pos + BLOCK_M, first_pos + q_len - m_start)  # and the sequence's end
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # key tiles below it need no mask
+    return seq, q_start + m_start, q_len - m_start, first_pos, kv_end, full_end
+
+
+@gluon.jit
 def _issue_tile(smem, head_ptr, stride_b, stride_s, table, n0, kv_end, PAGE: gl.constexpr):
     """Request the key tile starting at n0 into smem as one cp.async group (an empty group
     past the last tile, so that every tile keeps the same count of groups after it)."""
@@ -100,25 +116,18 @@ def _prefill_kernel(
     tile_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
 
-    tile_id = gl.num_programs(1) - 1 - gl.program_id(1)
     head = gl.program_id(0)
     kv_head = head // GROUP
-    seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M)
-    q_start = gl.load(cu_seqlens_q_ptr + seq)
-    q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    m_start = (tile_id - (q_start // BLOCK_M + seq)) * BLOCK_M
-    if m_start < q_len:
-        seq_len = gl.load(seq_lens_ptr + seq)
-        first_pos = seq_len - q_len + m_start
-        kv_end = gl.minimum(first_pos + BLOCK_M, seq_len)
-        full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # tiles below it need no mask
+    seq, row0, rows, first_pos, kv_end, full_end = _tile_of_program(cu_seqlens_q_ptr, seq_lens_ptr, num_seqs,
+                                                                    BLOCK_M, BLOCK_N)  # fmt: skip
+    if rows > 0:
         n_tiles = gl.cdiv(kv_end, BLOCK_N)
 
         # Q: loaded once, kept in shared memory as the first operand of S = Q K^T.
         offs_qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_l))
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_l))
-        q_rows = (q_start + m_start + offs_qm).to(gl.int64)
-        q_mask = gl.expand_dims(m_start + offs_qm < q_len, 1)
+        q_rows = (row0 + offs_qm).to(gl.int64)
+        q_mask = gl.expand_dims(offs_qm < rows, 1)
         q = gl.load(q_ptr + gl.expand_dims(q_rows * stride_qt + head * stride_qh, 1) + gl.expand_dims(offs_d, 0),
                     mask=q_mask, other=0.0)  # fmt: skip
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_l, q)
@@ -191,9 +200,9 @@ def _prefill_kernel(
 
         out = (acc / gl.expand_dims(l_i, 1)).to(dtype)
         offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
-        o_rows = (q_start + m_start + offs_m).to(gl.int64)
+        o_rows = (row0 + offs_m).to(gl.int64)
         o_ptrs = out_ptr + gl.expand_dims(o_rows * stride_ot + head * stride_oh, 1) + gl.expand_dims(offs_od, 0)
-        gl.store(o_ptrs, out, mask=gl.expand_dims(m_start + offs_m < q_len, 1))
+        gl.store(o_ptrs, out, mask=gl.expand_dims(offs_m < rows, 1))
 
 
 def prefill(

@@ -38,9 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.gluon_prefill_kernel import _rows_layout, _softmax
+from bench.gluon_prefill_kernel import _rows_layout, _softmax, _tile_of_program
 from pico_kernels.triton_common import LOG2E
-from pico_kernels.triton_prefill import _find_seq
 
 # The TMA load's name after Triton 3.6.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -124,7 +123,7 @@ def _producer(k_desc, v_desc, k_smem, v_smem, bars, tail, table, kv_end, n_tiles
 
 @gluon.jit
 def _consumer(
-    half: gl.constexpr, q_ptr, out_ptr, q_smem, k_smem, v_smem, bars, head, row0, q_len, first_pos, full_end, n_tiles,
+    half: gl.constexpr, q_ptr, out_ptr, q_smem, k_smem, v_smem, bars, head, row0, rows, first_pos, full_end, n_tiles,
     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
     k_ready, k_empty, v_ready, v_empty, turn = bars
@@ -141,7 +140,7 @@ def _consumer(
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_l))
     q_rows = (row0 + offs_qm).to(gl.int64)
     q = gl.load(q_ptr + gl.expand_dims(q_rows * stride_qt + head * stride_qh, 1) + gl.expand_dims(offs_d, 0),
-                mask=gl.expand_dims(offs_qm < q_len, 1), other=0.0)  # fmt: skip
+                mask=gl.expand_dims(offs_qm < rows, 1), other=0.0)  # fmt: skip
     q_tile = q_smem.index(half)
     q_tile.store(q)
     fence_async_shared()
@@ -194,7 +193,7 @@ def _consumer(
     offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
     o_rows = (row0 + offs_m).to(gl.int64)
     o_ptrs = out_ptr + gl.expand_dims(o_rows * stride_ot + head * stride_oh, 1) + gl.expand_dims(offs_od, 0)
-    gl.store(o_ptrs, out, mask=gl.expand_dims(offs_m < q_len, 1))
+    gl.store(o_ptrs, out, mask=gl.expand_dims(offs_m < rows, 1))
 
 
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt"])
@@ -206,17 +205,10 @@ def _prefill_ws_kernel(
 ):  # fmt: skip
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
-    tile_id = gl.num_programs(1) - 1 - gl.program_id(1)
     head = gl.program_id(0)
-    seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M)
-    q_start = gl.load(cu_seqlens_q_ptr + seq)
-    q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    m_start = (tile_id - (q_start // BLOCK_M + seq)) * BLOCK_M
-    if m_start < q_len:
-        seq_len = gl.load(seq_lens_ptr + seq)
-        first_pos = seq_len - q_len + m_start
-        kv_end = gl.minimum(first_pos + BLOCK_M, seq_len)
-        full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # tiles below it need no mask
+    seq, row0, rows, first_pos, kv_end, full_end = _tile_of_program(cu_seqlens_q_ptr, seq_lens_ptr, num_seqs,
+                                                                    BLOCK_M, BLOCK_N)  # fmt: skip
+    if rows > 0:
         n_tiles = gl.cdiv(kv_end, BLOCK_N)
         table = block_tables_ptr + seq.to(gl.int64) * stride_bt
 
@@ -239,13 +231,11 @@ def _prefill_ws_kernel(
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
         bars = (k_ready, k_empty, v_ready, v_empty, turn)
-        row0 = q_start + m_start
-        q_left = q_len - m_start
         gl.warp_specialize(
             [
-                (_consumer, (0, q_ptr, out_ptr, q_smem, k_smem, v_smem, bars, head, row0, q_left, first_pos, full_end,
+                (_consumer, (0, q_ptr, out_ptr, q_smem, k_smem, v_smem, bars, head, row0, rows, first_pos, full_end,
                              n_tiles, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, OVERLAP, PINGPONG)),
-                (_consumer, (1, q_ptr, out_ptr, q_smem, k_smem, v_smem, bars, head, row0, q_left, first_pos, full_end,
+                (_consumer, (1, q_ptr, out_ptr, q_smem, k_smem, v_smem, bars, head, row0, rows, first_pos, full_end,
                              n_tiles, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, OVERLAP, PINGPONG)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, bars, tail, table, kv_end, n_tiles,
                              (head // GROUP) * HEAD_DIM)),

@@ -25,57 +25,49 @@ INTS = ["num_seqs", "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_
         "stride_vh", "stride_bt", "stride_ot", "stride_oh"]  # fmt: skip
 
 
-def compile_for_hopper(head_dim: int):
+def compile_for_sm90(kernel, signature: dict, constants: dict, options: dict):
+    """The Gluon kernel built for sm_90; pointers and strides (the parameters named so) are
+    given the launch's 16-divisibility."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    signature = signature | dict.fromkeys(constants, "constexpr")  # in the kernel's order of parameters
+    names = list(signature)
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n.startswith("stride")]
+    src = GluonASTSource(
+        kernel,
+        signature,
+        constexprs={(names.index(k),): v for k, v in constants.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_for_hopper(head_dim: int):
     from bench import gluon_prefill_kernel as gluon_prefill
 
     types = ["*bf16"] * 3 + ["*i32"] * 3 + ["*bf16"]
     signature = dict(zip(POINTERS, types)) | {"scale_log2": "fp32"} | dict.fromkeys(INTS, "i32")
     block_m, block_n, warps = gluon_prefill.BLOCK_M, gluon_prefill.BLOCK_N, gluon_prefill.NUM_WARPS
-    # in the kernel's order of parameters
     constants = dict(GROUP=4, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, K_STAGES=3, OVERLAP=True,
                      num_warps=warps)  # fmt: skip
-    signature |= dict.fromkeys(constants, "constexpr")
-    names = list(signature)
-    aligned = [i for i, n in enumerate(names) if n in POINTERS or n.startswith("stride")]
-    src = GluonASTSource(
-        gluon_prefill._prefill_kernel,
-        signature,
-        constexprs={(names.index(k),): v for k, v in constants.items()},
-        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
-    )
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": gluon_prefill.NUM_WARPS})
+    return compile_for_sm90(gluon_prefill._prefill_kernel, signature, constants, {"num_warps": warps})
 
 
 def compile_ws_for_hopper(head_dim: int):
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
-    from bench import gluon_prefill_ws
+    from bench import gluon_prefill_ws as ws
 
     layout = gl.NVMMASharedLayout.get_default_for([16, head_dim], gl.bfloat16)
     desc = f"tensordesc<bf16[16, {head_dim}],{layout}>"
-    ptrs = ["q_ptr", "block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr", "out_ptr"]
-    signature = {"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc} | dict.fromkeys(ptrs[1:4], "*i32")
+    signature = {"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc} | dict.fromkeys(POINTERS[3:6], "*i32")
     signature |= {"out_ptr": "*bf16", "scale_log2": "fp32", "num_seqs": "i32"}
     signature |= dict.fromkeys(["stride_qt", "stride_qh", "stride_bt", "stride_ot", "stride_oh"], "i32")
-    constants = dict(GROUP=4, STAGES=2, OVERLAP=True, PINGPONG=True, num_warps=gluon_prefill_ws.NUM_WARPS)
-    signature |= dict.fromkeys(constants, "constexpr")
-    names = list(signature)
-    aligned = [i for i, n in enumerate(names) if n in ptrs or n.startswith("stride")]
-    src = GluonASTSource(
-        gluon_prefill_ws._prefill_ws_kernel,
-        signature,
-        constexprs={(names.index(k),): v for k, v in constants.items()},
-        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
-    )
-    options = {"num_warps": gluon_prefill_ws.NUM_WARPS, "maxnreg": gluon_prefill_ws.MAXNREG}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    constants = dict(GROUP=4, STAGES=2, OVERLAP=True, PINGPONG=True, num_warps=ws.NUM_WARPS)
+    return compile_for_sm90(ws._prefill_ws_kernel, signature, constants,
+                            {"num_warps": ws.NUM_WARPS, "maxnreg": ws.MAXNREG})  # fmt: skip
 
 
 def ptxas_report(ptx: str, tmp_path: Path) -> str:
