@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from pico_kernels.triton_common import LOG2E
-from pico_kernels.triton_prefill import _find_seq
+from pico_kernels.triton_prefill import _find_seq, row_tiles
 
 # Names that changed after Triton 3.6: the cp.async copy (async_load) and the CTA barrier.
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -221,8 +221,7 @@ def prefill(
     num_tokens, num_q_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    num_tiles = num_tokens // BLOCK_M + num_seqs
-    assert num_tiles < 1 << 16, f"{num_tokens} tokens in one prefill launch: more row tiles than a grid holds"
+    num_tiles = row_tiles(num_tokens, num_seqs, BLOCK_M)
     _prefill_kernel[(num_q_heads, num_tiles)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E, num_seqs,

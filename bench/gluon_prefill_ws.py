@@ -38,12 +38,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.gluon_prefill_kernel import _rows_layout, _softmax, _tile_of_program
+from bench.gluon_prefill_kernel import _barrier, _rows_layout, _softmax, _tile_of_program
 from pico_kernels.triton_common import LOG2E
+from pico_kernels.triton_prefill import row_tiles
 
 # The TMA load's name after Triton 3.6.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 BLOCK_M = gl.constexpr(128)  # query rows a program
 HALF = gl.constexpr(64)  # a consumer warpgroup's
@@ -272,8 +272,7 @@ def prefill(
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
-    num_tiles = num_tokens // BLOCK_M + num_seqs
-    assert num_tiles < 1 << 16, f"{num_tokens} tokens in one prefill launch: more row tiles than a grid holds"
+    num_tiles = row_tiles(num_tokens, num_seqs, BLOCK_M.value)  # a plain int for the grid
     _prefill_ws_kernel[(num_q_heads, num_tiles)](
         q, cache_descriptor(k_cache), cache_descriptor(v_cache), block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E, num_seqs, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),

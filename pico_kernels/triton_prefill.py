@@ -246,6 +246,14 @@ def _prefill_kernel(
                  mask=row_mask[:, None] & d_mask[None, :])  # fmt: skip
 
 
+def row_tiles(num_tokens: int, num_seqs: int, tokens_per_tile: int) -> int:
+    """The launch grid's row-tile count (what `_find_seq` numbers): every sequence's tiles, its
+    last one partial, bounded by one spare tile a sequence."""
+    num_tiles = num_tokens // tokens_per_tile + num_seqs
+    assert num_tiles < 1 << 16, f"{num_tokens} tokens in one prefill launch: more row tiles than a grid holds"
+    return num_tiles
+
+
 def prefill_with_config(
     q: torch.Tensor,  # (Nq, Hq, D)
     k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
@@ -275,8 +283,7 @@ def prefill_with_config(
         config = default_prefill_config(q.dtype, head_dim, max_query_len)
     group = num_q_heads // num_kv_heads
     heads = group if config.pack_gqa and config.block_m % group == 0 else 1
-    num_tiles = num_tokens // (config.block_m // heads) + num_seqs
-    assert num_tiles < 1 << 16, f"{num_tokens} tokens in one prefill launch: more row tiles than a grid holds"
+    num_tiles = row_tiles(num_tokens, num_seqs, config.block_m // heads)
     _prefill_kernel[(num_q_heads // heads, num_tiles)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E, num_seqs, window,
