@@ -31,39 +31,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from pico_kernels.gluon_prefill import _barrier, _rows_layout, _softmax, _tile_of_program
 from pico_kernels.triton_common import LOG2E
-from pico_kernels.triton_prefill import _find_seq, row_tiles
+from pico_kernels.triton_prefill import row_tiles
 
-# Names that changed after Triton 3.6: the cp.async copy (async_load) and the CTA barrier.
+# The cp.async copy's name after Triton 3.6.
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 BLOCK_M = 128  # query rows a program: two warpgroups of 64
 BLOCK_N = 128  # keys a tile
 NUM_WARPS = 8
-
-
-@gluon.constexpr_function
-def _rows_layout(head_dim, num_warps):
-    """The cp.async tiles' layout: 16 bytes a thread, a row over head_dim / 8 threads."""
-    tpr = head_dim // 8
-    return gl.BlockedLayout([1, 8], [32 // tpr, tpr], [num_warps, 1], [1, 0])
-
-
-@gluon.jit
-def _tile_of_program(cu_seqlens_q_ptr, seq_lens_ptr, num_seqs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The program's row tile, numbered as the Triton kernel numbers them: its sequence, its
-    first query row, the rows left from there (<= 0: a spare program), the context position
-    of its first row, one past the last key any row sees, and where the causal mask starts."""
-    tile_id = gl.num_programs(1) - 1 - gl.program_id(1)
-    seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M)
-    q_start = gl.load(cu_seqlens_q_ptr + seq)
-    q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    m_start = (tile_id - (q_start // BLOCK_M + seq)) * BLOCK_M
-    first_pos = gl.load(seq_lens_ptr + seq) - q_len + m_start
-    kv_end = gl.minimum(first_pos + BLOCK_M, first_pos + q_len - m_start)  # and the sequence's end
-    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # key tiles below it need no mask
-    return seq, q_start + m_start, q_len - m_start, first_pos, kv_end, full_end
 
 
 @gluon.jit
@@ -81,19 +58,6 @@ def _issue_tile(smem, head_ptr, stride_b, stride_s, table, n0, kv_end, PAGE: gl.
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
         _cp_async(smem, head_ptr + gl.expand_dims(rows, 1) + gl.expand_dims(cols, 0), mask=gl.expand_dims(t_mask, 1))
     async_copy.commit_group()
-
-
-@gluon.jit
-def _softmax(s, n0, full_end, q_pos, offs_n, m_i, l_i, scale_log2):
-    """One online-softmax step over raw scores s (causal mask on tiles from full_end on), the
-    scale applied after the row max. Returns p, alpha and the new max (raw) and sum."""
-    if n0 >= full_end:
-        visible = gl.expand_dims(n0 + offs_n, 0) <= gl.expand_dims(q_pos, 1)
-        s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new * scale_log2, 1))
-    alpha = gl.exp2((m_i - m_new) * scale_log2)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt"])

@@ -1,5 +1,5 @@
-"""The Hopper prefill probes (bench/gluon_prefill_kernel.py, bench/gluon_prefill_ws.py) against
-the Triton kernel, on a GPU.
+"""The Hopper prefill kernels (the probe bench/gluon_prefill_kernel.py, the default
+pico_kernels.gluon_prefill and its controls) against the Triton kernel, on a GPU.
 
     python bench/gluon_prefill_probe.py [--rep MS] [--out bench/results/gluon_prefill_ws_h100.md]
 
@@ -8,9 +8,9 @@ GQA, head_dim 64 and 128, bf16 and fp16; every cache slot past a sequence's end,
 spare page, NaN), then times them at the prefill shapes of bench/attention.py (a 4k prompt with
 0 and 3k cached, 32 query and 8 KV heads, D 128, 16-token pages), a batch of eight 512-token
 prompts and a 16k prompt: the first probe (the softmax beside P V, cp.async, two K stages), and
-the warp-specialised one (a TMA producer warp, two consumer warpgroups on mbarriers taking turns
-to issue their products) with two and three stages and, as controls, without the turns and
-with the overlap within a consumer off. Timing as
+the warp-specialised kernel (a TMA producer warp, two consumer warpgroups on mbarriers taking
+turns to issue their products) with its three stages, with two, and as controls without the
+turns and with the overlap within a consumer off. Timing as
 bench/attention.py: do_bench's median, a cold L2 each call.
 """
 
@@ -29,9 +29,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench import gluon_prefill_kernel as gluon_prefill  # noqa: E402
-from bench import gluon_prefill_ws  # noqa: E402
 from bench.attention import causal_flops  # noqa: E402
 from bench.kernel_setup import bench_ms, rel_err  # noqa: E402
+from pico_kernels import gluon_prefill as ws  # noqa: E402
 from pico_kernels.reference import paged_prefill_attention_ref  # noqa: E402
 from pico_kernels.triton_prefill import default_prefill_config, prefill_with_config  # noqa: E402
 
@@ -40,10 +40,10 @@ TRITON = default_prefill_config(torch.bfloat16, 128)  # the Triton kernel's defa
 # The probes, each a launch of (q, k, v, table, cu, lens, scale, out).
 PROBES = {
     "cp.async": partial(gluon_prefill.prefill, k_stages=2),
-    "WS": gluon_prefill_ws.prefill,
-    "WS 3 stages": partial(gluon_prefill_ws.prefill, stages=3),
-    "WS no ping-pong": partial(gluon_prefill_ws.prefill, pingpong=False),
-    "WS no overlap": partial(gluon_prefill_ws.prefill, overlap=False),
+    "WS": ws.paged_prefill,
+    "WS 2 stages": partial(ws.paged_prefill, stages=2),
+    "WS no ping-pong": partial(ws.paged_prefill, pingpong=False),
+    "WS no overlap": partial(ws.paged_prefill, overlap=False),
 }
 
 

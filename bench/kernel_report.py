@@ -13,6 +13,8 @@ def fmt(x, spec: str) -> str:
 
 
 def cfg_str(c) -> str:
+    if c is None:
+        return "default launch"
     if isinstance(c, DecodeConfig):
         p = "" if c.split_p else " (P one bf16 term)"
         return f"N{c.block_n}/w{c.num_warps}/s{c.num_stages}{p}"
@@ -107,12 +109,14 @@ def render(
     out += [
         "## Prefill over a paged prefix: 4k-token prompt, Hq=32, Hkv=8, D=128, bf16, block 16",
         "",
-        f"Default config {cfg_str(pcfg)} (first row of each case). FLOP = sum over query positions of "
+        "First row of each case: the default launch (`paged_prefill_attention`: on sm_90 the Gluon "
+        f"warp-specialised kernel, `pico_kernels.gluon_prefill`, elsewhere the Triton kernel's {cfg_str(pcfg)}); "
+        "the other rows are Triton configs. FLOP = sum over query positions of "
         "attended keys x 4 x D x Hq. SDPA: contiguous K/V with heads repeated, bottom-right causal mask "
         "(is_causal when nothing is cached).",
         "",
-        "| cached | new | GFLOP | config (MxN/warps/stages) | Triton ms | TFLOP/s | % matmul | SDPA ms | SDPA "
-        "TFLOP/s | SDPA/Triton | err vs default |",
+        "| cached | new | GFLOP | config (MxN/warps/stages) | ms | TFLOP/s | % matmul | SDPA ms | SDPA "
+        "TFLOP/s | SDPA / kernel | err vs default |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in prefill_rows:

@@ -268,7 +268,9 @@ def prefill_with_config(
     window: int = 0,  # sliding window (0: full attention)
 ) -> torch.Tensor:  # (Nq, Hq, D), dtype of q
     """paged_prefill_attention with an explicit tile config and output buffer (for tests,
-    benchmarks and the piecewise prefill graphs); None picks the defaults."""
+    benchmarks and the piecewise prefill graphs). None picks the default launch: on Hopper,
+    where pico_kernels.gluon_prefill applies and the queries are not short (SHORT_QUERIES),
+    its warp-specialised kernel; else this kernel with `default_prefill_config`."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
@@ -279,6 +281,11 @@ def prefill_with_config(
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
+    if config is None and q.is_cuda and not interpreting() and not 0 < max_query_len <= SHORT_QUERIES:
+        from pico_kernels import gluon_prefill  # Gluon's Hopper modules: imported only on a GPU
+
+        if gluon_prefill.applies(q, k_cache, v_cache, window):
+            return gluon_prefill.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
     if config is None:
         config = default_prefill_config(q.dtype, head_dim, max_query_len)
     group = num_q_heads // num_kv_heads

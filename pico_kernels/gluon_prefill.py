@@ -1,22 +1,23 @@
-"""A probe, not the model's path: paged prefill attention for Hopper in Gluon with
-FlashAttention-3's split of the warps (bench/gluon_prefill_probe.py checks it and times it
-against pico_kernels.triton_prefill).
+"""Paged prefill attention for Hopper (sm_90) in Gluon, with FlashAttention-3's split of the
+warps: what `pico_kernels.triton_prefill.prefill_with_config` launches by default where it
+applies (`applies`: 16-bit queries over a cache of their dtype, head_dim 64 or 128, no sliding
+window, pages that divide a 128-key tile, contiguous caches). bench/results/gluon_prefill_ws_h100.md
+measures it at 1.47-1.59x the Triton kernel.
 
-The same contract, grid and tile numbering (its `_find_seq`) as the Triton kernel: 16-bit
-queries over a cache of the same dtype, head_dim 64 or 128, no sliding window, 128 query rows
-of one head a program. What it changes is who waits for what. bench/gluon_prefill_kernel.py
-showed that running a tile's softmax beside its own warpgroup's P V product buys nothing while
-both warpgroups meet at CTA barriers every tile. Here no barrier spans the program:
+The same contract, grid and tile numbering (`_find_seq`) as the Triton kernel, 128 query rows of
+one head a program. No barrier spans the program:
 
     producer (1 warp)      fills K and V stages by TMA, one [PAGE, D] box a page (eight a
-                           128-key tile), each stage signalled by an mbarrier when its bytes land
+                           128-key tile of 16-token pages), each stage signalled by an mbarrier
+                           when its bytes land
     consumer 0 (4 warps)   query rows 0-63 of the tile
     consumer 1 (4 warps)   query rows 64-127
 
 Each consumer waits only for the stage it reads and frees it with an arrive, so the two
-warpgroups drift apart and one's exponentials can run while the other's products hold the
-tensor cores. Within a consumer the scores of tile j are issued before the P V product of
-tile j - 1, as in the first probe (OVERLAP=False waits for both together: the control).
+warpgroups drift apart; they take turns issuing their products (PINGPONG), so that one's
+exponentials run while the other's products hold the tensor cores. Within a consumer the scores
+of tile j are issued before the P V product of tile j - 1 (OVERLAP). Both are on by default;
+off, they are the controls of bench/gluon_prefill_probe.py.
 
 Keys past the sequence's end: their pages are read from block 0 (every page of a tile is one
 box, so each stage expects the same bytes), and in the last tile the producer zeroes the V
@@ -25,6 +26,8 @@ NaN; K's are masked out of the scores.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from triton.experimental import gluon
@@ -38,12 +41,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.gluon_prefill_kernel import _barrier, _rows_layout, _softmax, _tile_of_program
 from pico_kernels.triton_common import LOG2E
-from pico_kernels.triton_prefill import row_tiles
+from pico_kernels.triton_prefill import _find_seq, row_tiles
 
-# The TMA load's name after Triton 3.6.
+# Names that changed after Triton 3.6: the TMA load and the CTA barrier.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 BLOCK_M = gl.constexpr(128)  # query rows a program
 HALF = gl.constexpr(64)  # a consumer warpgroup's
@@ -52,6 +55,42 @@ NUM_WARPS = 4  # the default partition: consumer 0
 # Registers a thread, set by warpgroup out of maxnreg x 3 warpgroups: the default partition
 # gets what the workers leave (168 x 3 - 232 - 40 = 232).
 MAXNREG = 168
+
+
+@gluon.constexpr_function
+def _rows_layout(head_dim, num_warps):
+    """The cp.async tiles' layout: 16 bytes a thread, a row over head_dim / 8 threads."""
+    tpr = head_dim // 8
+    return gl.BlockedLayout([1, 8], [32 // tpr, tpr], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _tile_of_program(cu_seqlens_q_ptr, seq_lens_ptr, num_seqs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The program's row tile, numbered as the Triton kernel numbers them: its sequence, its
+    first query row, the rows left from there (<= 0: a spare program), the context position
+    of its first row, one past the last key any row sees, and where the causal mask starts."""
+    tile_id = gl.num_programs(1) - 1 - gl.program_id(1)
+    seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M)
+    q_start = gl.load(cu_seqlens_q_ptr + seq)
+    q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    m_start = (tile_id - (q_start // BLOCK_M + seq)) * BLOCK_M
+    first_pos = gl.load(seq_lens_ptr + seq) - q_len + m_start
+    kv_end = gl.minimum(first_pos + BLOCK_M, first_pos + q_len - m_start)  # and the sequence's end
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # key tiles below it need no mask
+    return seq, q_start + m_start, q_len - m_start, first_pos, kv_end, full_end
+
+
+@gluon.jit
+def _softmax(s, n0, full_end, q_pos, offs_n, m_i, l_i, scale_log2):
+    """One online-softmax step over raw scores s (causal mask on tiles from full_end on), the
+    scale applied after the row max. Returns p, alpha and the new max (raw) and sum."""
+    if n0 >= full_end:
+        visible = gl.expand_dims(n0 + offs_n, 0) <= gl.expand_dims(q_pos, 1)
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new * scale_log2, 1))
+    alpha = gl.exp2((m_i - m_new) * scale_log2)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit
@@ -245,6 +284,27 @@ def _prefill_ws_kernel(
         )  # fmt: skip
 
 
+def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int) -> bool:
+    """Whether this kernel can take the launch: a Hopper GPU (sm_90), q 16-bit with the caches
+    of its dtype and contiguous, head_dim 64 or 128, pages that divide a key tile, no window."""
+    return (
+        q.is_cuda
+        and _capability(q.device) == (9, 0)
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and k_cache.dtype == v_cache.dtype == q.dtype
+        and q.shape[-1] in (64, 128)
+        and BLOCK_N.value % k_cache.shape[1] == 0
+        and window == 0
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def cache_descriptor(cache: torch.Tensor) -> TensorDescriptor:
     """A TMA descriptor over one cache, (num_blocks, PAGE, Hkv, D) seen as rows of Hkv x D, one
     page of one KV head a box."""
@@ -255,8 +315,8 @@ def cache_descriptor(cache: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(rows, [page, head_dim], layout)
 
 
-def prefill(
-    q: torch.Tensor,  # (Nq, Hq, D)
+def paged_prefill(
+    q: torch.Tensor,  # (Nq, Hq, D), rows contiguous
     k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D), contiguous
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # (B, max_blocks) int32
@@ -264,11 +324,11 @@ def prefill(
     seq_lens: torch.Tensor,  # (B,) int32
     scale: float,
     out: torch.Tensor,  # (Nq, Hq, D)
+    stages: int = 3,
     overlap: bool = True,
-    stages: int = 2,
     pingpong: bool = True,
 ) -> torch.Tensor:
-    """The launch: 16-bit q and cache of one dtype, head_dim 64 or 128, rows contiguous."""
+    """The launch, where `applies`; stages: K and V stages (2 or 3)."""
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
