@@ -3,6 +3,7 @@
     store_kvcache            pico_kernels.triton_store    write new K/V at a slot mapping
     paged_decode_attention   pico_kernels.triton_decode   split-KV decode, GQA heads packed per KV head
     paged_prefill_attention  pico_kernels.triton_prefill  causal flash attention over a paged prefix
+                             (on Hopper by default pico_kernels.gluon_prefill, in Gluon)
     cascade_decode_attention pico_kernels.triton_cascade  decode reading a batch's shared prefix once
 
 Each has exactly the signature and semantics of its reference in pico_kernels.reference. They run on
