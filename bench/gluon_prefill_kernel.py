@@ -2,9 +2,9 @@
 of a key tile run while the previous tile's P V product is in flight
 (bench/gluon_prefill_probe.py checks it and times it against pico_kernels.triton_prefill).
 
-The same contract, grid and tile numbering (its `_find_seq`) as the Triton kernel, for long prompts:
-16-bit queries over a cache of the same dtype, head_dim 64 or 128, no sliding window, 128
-query rows of one head a program, 8 warps.
+The same contract, grid and tile numbering (`pico_kernels.prefill_tiles`) as the Triton kernel,
+for long prompts: 16-bit queries over a cache of the same dtype, head_dim 64 or 128, no sliding
+window, 128 query rows of one head a program, 8 warps.
 
 What it changes is the schedule of a key tile. Triton waits for each warpgroup matrix product
 before its result is used, so a tile's exponentials run between its two products, never
@@ -32,8 +32,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from pico_kernels.gluon_prefill import _barrier, _rows_layout, _softmax, _tile_of_program
+from pico_kernels.prefill_tiles import row_tiles
 from pico_kernels.triton_common import LOG2E
-from pico_kernels.triton_prefill import row_tiles
 
 # The cp.async copy's name after Triton 3.6.
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared

@@ -4,8 +4,8 @@ applies (`applies`: 16-bit queries over a cache of their dtype, head_dim 64 or 1
 window, pages that divide a 128-key tile, contiguous caches). bench/results/gluon_prefill_ws_h100.md
 measures it at 1.47-1.59x the Triton kernel.
 
-The same contract, grid and tile numbering (`_find_seq`) as the Triton kernel, 128 query rows of
-one head a program. No barrier spans the program:
+The same contract, grid and tile numbering (`pico_kernels.prefill_tiles`) as the Triton kernel,
+128 query rows of one head a program. No barrier spans the program:
 
     producer (1 warp)      fills K and V stages by TMA, one [PAGE, D] box a page (eight a
                            128-key tile of 16-token pages), each stage signalled by an mbarrier
@@ -41,8 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from pico_kernels.prefill_tiles import find_seq, row_tiles
 from pico_kernels.triton_common import LOG2E
-from pico_kernels.triton_prefill import _find_seq, row_tiles
 
 # Names that changed after Triton 3.6: the TMA load and the CTA barrier.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -70,7 +70,7 @@ def _tile_of_program(cu_seqlens_q_ptr, seq_lens_ptr, num_seqs, BLOCK_M: gl.const
     first query row, the rows left from there (<= 0: a spare program), the context position
     of its first row, one past the last key any row sees, and where the causal mask starts."""
     tile_id = gl.num_programs(1) - 1 - gl.program_id(1)
-    seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M)
+    seq = find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M)
     q_start = gl.load(cu_seqlens_q_ptr + seq)
     q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     m_start = (tile_id - (q_start // BLOCK_M + seq)) * BLOCK_M

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pico_kernels.prefill_tiles import find_seq, row_tiles
 from pico_kernels.triton_common import (
     LOG2E,
     dot_precision,
@@ -87,21 +88,6 @@ def default_prefill_config(dtype: torch.dtype, head_dim: int, max_query_len: int
     if 0 < max_query_len <= SHORT_QUERIES:
         return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=True)
     return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-
-
-@triton.jit
-def _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M: tl.constexpr):
-    """The b with cu_q[b] // BLOCK_M + b <= tile_id < cu_q[b + 1] // BLOCK_M + b + 1."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid
-        if first_tile <= tile_id:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
 
 
 @triton.jit
@@ -181,7 +167,7 @@ def _prefill_kernel(
     tile_id = tl.num_programs(1) - 1 - tl.program_id(1)
     kv_head = tl.program_id(0) * HEADS // GROUP
 
-    seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, TOKENS)
+    seq = find_seq(cu_seqlens_q_ptr, num_seqs, tile_id, TOKENS)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     m_start = (tile_id - (q_start // TOKENS + seq)) * TOKENS
@@ -244,14 +230,6 @@ def _prefill_kernel(
         tl.store(out_ptr + q_offs[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
                  mask=row_mask[:, None] & d_mask[None, :])  # fmt: skip
-
-
-def row_tiles(num_tokens: int, num_seqs: int, tokens_per_tile: int) -> int:
-    """The launch grid's row-tile count (what `_find_seq` numbers): every sequence's tiles, its
-    last one partial, bounded by one spare tile a sequence."""
-    num_tiles = num_tokens // tokens_per_tile + num_seqs
-    assert num_tiles < 1 << 16, f"{num_tokens} tokens in one prefill launch: more row tiles than a grid holds"
-    return num_tiles
 
 
 def prefill_with_config(
