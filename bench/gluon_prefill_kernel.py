@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from pico_kernels.gluon_prefill import _barrier, _rows_layout, _softmax, _tile_of_program
+from pico_kernels.gluon_prefill import _barrier, _rows_layout, _softmax, _softmax_start, _tile_of_program
 from pico_kernels.prefill_tiles import row_tiles
 from pico_kernels.triton_common import LOG2E
 
@@ -108,13 +108,7 @@ def _prefill_kernel(
         _issue_tile(k_smem.index(1), k_head, stride_kb, stride_ks, table, BLOCK_N, kv_end, PAGE)
         _issue_tile(v_smem.index(0), v_head, stride_vb, stride_vs, table, 0, kv_end, PAGE)
 
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-        q_pos = first_pos + offs_m
-        zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, mma)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
-        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, mma))
+        offs_m, offs_n, q_pos, zeros, acc, m_i, l_i = _softmax_start(0, first_pos, BLOCK_M, BLOCK_N, HEAD_DIM, mma)
 
         # Tile 0: its scores alone.
         async_copy.wait_group(2)

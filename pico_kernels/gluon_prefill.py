@@ -94,6 +94,22 @@ def _softmax(s, n0, full_end, q_pos, offs_n, m_i, l_i, scale_log2):
 
 
 @gluon.jit
+def _softmax_start(
+    row0, first_pos, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, mma: gl.constexpr
+):
+    """The online softmax's start for ROWS query rows from row0 of the tile in the products'
+    layout: row and key offsets, the rows' context positions, a zero score tile, and the
+    accumulator, max and sum."""
+    offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, mma)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
+    return offs_m, offs_n, first_pos + offs_m, zeros, acc, m_i, l_i
+
+
+@gluon.jit
 def _release(bar):
     """Every warp of this consumer is done with the stage; one arrival frees it for it."""
     _barrier()
@@ -185,13 +201,7 @@ def _consumer(
     fence_async_shared()
     _barrier()
 
-    offs_m = m0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma))
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    q_pos = first_pos + offs_m
-    zeros = gl.zeros([HALF, BLOCK_N], gl.float32, mma)
-    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, mma)
-    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
-    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, mma))
+    offs_m, offs_n, q_pos, zeros, acc, m_i, l_i = _softmax_start(m0, first_pos, HALF, BLOCK_N, HEAD_DIM, mma)
 
     mbarrier.wait(k_ready.index(0), 0)
     _take_turn(turn, half, 0, PINGPONG)
