@@ -19,10 +19,17 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 
 python3 -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|grpcio|protobuf|redis|locust) ' | tr -s ' ' | paste -sd ';' | sed 's/^/versions: /'
+export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
+if [ "$#" -gt 0 ]; then
+  exec python3 -m pytest -q "$@"
+fi
 # The whole suite (no arguments, as CI runs it) type-checks the product packages first
 # (pyproject.toml's [tool.mypy]); ruff's check and format run inside it (tests/test_style.py).
-if [ "$#" -eq 0 ]; then
-  python3 -m mypy
-fi
-export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
-python3 -m pytest -q "$@"
+# The interpreted kernel tests are CPU-bound and share nothing, so they run on up to four
+# workers (pytest-xdist); the rest start real processes, bind ports and keep deadlines, and
+# run one at a time after them. Both parts always run; the exit status is the first failure's.
+python3 -m mypy
+status=0
+python3 -m pytest -q -n auto --maxprocesses 4 tests/kernels || status=$?
+python3 -m pytest -q --ignore=tests/kernels || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+exit "$status"
