@@ -29,7 +29,8 @@ fi
 # workers (pytest-xdist); the rest start real processes, bind ports and keep deadlines, and
 # run one at a time after them. Both parts always run; the exit status is the first failure's.
 python3 -m mypy
-status=0
-python3 -m pytest -q -n auto --maxprocesses 4 tests/kernels || status=$?
-python3 -m pytest -q --ignore=tests/kernels || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
-exit "$status"
+kernels=0
+python3 -m pytest -q -n auto --maxprocesses 4 tests/kernels || kernels=$?
+rest=0
+python3 -m pytest -q --ignore=tests/kernels || rest=$?
+exit $((kernels ? kernels : rest))
