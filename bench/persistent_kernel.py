@@ -4,9 +4,11 @@ against the model's chain of four gemv launches a layer).
 
 G programs stay resident for the whole step. In each phase program p computes a contiguous
 share of the phase's output rows over the whole of K, a chunk of rows at a time, then
-arrives at a grid barrier (one counter, incremented once per program and phase); before it
-waits there it requests the next phase's first weight chunk (PREFETCH), since no phase
-writes weights. A layer's phases:
+arrives at a grid barrier (one counter, incremented once per program and phase). No phase
+writes weights, so they can be requested ahead of the wait (PREFETCH): 0 nothing, 1 the next
+phase's first chunk, 2 the whole share of the phase after next (each share one chunk, held
+in registers from the request to its product), so that two phases' weights are in flight
+through every barrier. A layer's phases:
 
     A  q|k|v    = W_qkv  . RMSNorm(d + res_b) * w_in     (program 0 writes res_a = d + res_b)
     B  o        = W_o    . qkv[:Q]                        (the attention's stand-in: its query)
@@ -107,6 +109,48 @@ def _query(qkv_ptr, Q: tl.constexpr):
 
 
 @triton.jit
+def _two_ahead(
+    d_ptr, res_a, res_b, qkv_ptr, o_ptr, gu_ptr, bar_ptr,
+    w_qkv, w_o, w_gu, w_down, nw_in, nw_post, eps, n_layers, p, G,
+    H: tl.constexpr, Q: tl.constexpr, QKV: tl.constexpr, INTER: tl.constexpr, IP: tl.constexpr,
+    SA: tl.constexpr, RA: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr,
+    SC: tl.constexpr, RC: tl.constexpr, SD: tl.constexpr, RD: tl.constexpr, FIX: tl.constexpr,
+):  # fmt: skip
+    """PREFETCH 2: after arriving at the barrier that ends phase n, a program requests its
+    whole share of phase n + 2 (every R* covers its S*), then waits; the loop carries the
+    next layer's q|k|v and o shares."""
+    GU: tl.constexpr = 2 * INTER
+    arrivals = 0
+    wa = _tile(w_qkv, 0, p, 0, QKV, H, H, SA, RA)
+    wb = _tile(w_o, 0, p, 0, H, Q, Q, SB, RB)
+    for layer in range(n_layers):
+        nxt = (layer + 1) % n_layers
+        x = _normed(d_ptr, res_b, res_a, nw_in, layer, p, eps, H, FIX)
+        _project(w_qkv, wa, x, qkv_ptr, layer, p, QKV, H, H, SA, RA, True, FIX)
+        _arrive(bar_ptr)
+        wc = _tile(w_gu, layer, p, 0, GU, H, H, SC, RC)
+        arrivals += G
+        _wait(bar_ptr, arrivals)
+        _project(w_o, wb, _query(qkv_ptr, Q), o_ptr, layer, p, H, Q, Q, SB, RB, True, FIX)
+        _arrive(bar_ptr)
+        wd = _tile(w_down, layer, p, 0, H, INTER, IP, SD, RD)
+        arrivals += G
+        _wait(bar_ptr, arrivals)
+        x = _normed(o_ptr, res_a, res_b, nw_post, layer, p, eps, H, FIX)
+        _project(w_gu, wc, x, gu_ptr, layer, p, GU, H, H, SC, RC, True, FIX)
+        _arrive(bar_ptr)
+        wa = _tile(w_qkv, nxt, p, 0, QKV, H, H, SA, RA)
+        arrivals += G
+        _wait(bar_ptr, arrivals)
+        x = _silu_mul(gu_ptr, INTER, IP, FIX)
+        _project(w_down, wd, x, d_ptr, layer, p, H, INTER, IP, SD, RD, True, FIX)
+        _arrive(bar_ptr)
+        wb = _tile(w_o, nxt, p, 0, H, Q, Q, SB, RB)
+        arrivals += G
+        _wait(bar_ptr, arrivals)
+
+
+@triton.jit
 def layers_kernel(
     d_ptr, res_a, res_b, qkv_ptr, o_ptr, gu_ptr, bar_ptr,
     w_qkv, w_o, w_gu, w_down, nw_in, nw_post, eps, layer0, n_layers,
@@ -132,6 +176,12 @@ def layers_kernel(
         _project(w_gu, 0, x, gu_ptr, layer0, p, GU, H, H, SC, RC, False, FIX)
     elif ONLY == 3:
         _project(w_down, 0, _silu_mul(gu_ptr, INTER, IP, FIX), d_ptr, layer0, p, H, INTER, IP, SD, RD, False, FIX)
+    elif PREFETCH == 2:
+        _two_ahead(
+            d_ptr, res_a, res_b, qkv_ptr, o_ptr, gu_ptr, bar_ptr,
+            w_qkv, w_o, w_gu, w_down, nw_in, nw_post, eps, n_layers, p, G,
+            H, Q, QKV, INTER, IP, SA, RA, SB, RB, SC, RC, SD, RD, FIX,
+        )  # fmt: skip
     else:
         arrivals = 0
         wa = _tile(w_qkv, 0, p, 0, QKV, H, H, SA, RA)

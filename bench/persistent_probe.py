@@ -14,7 +14,9 @@ projections' share of the step.
 The GPU run first times a kernel that does nothing but the barriers (its count also checks
 that a scalar atomic counts once a program), then each (programs, warps, prefetch) variant in
 a child process of its own (one that does not finish is reported, not waited on); every child
-also times the chain, so each row compares figures of one process.
+also times the chain, so each row compares figures of one process. Where more than one
+program shares an SM, the compile caps the registers a thread at what lets them all be
+resident (the regs column then reads at most the cap; spills are the price).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pico_kernels.triton_common import cdiv, fix_bf16_rounding, next_pow2  # noq
 
 QWEN3 = dict(L=28, H=1024, Q=2048, QKV=4096, INTER=3072)  # Qwen3-0.6B's layers
 TINY = dict(L=2, H=64, Q=128, QKV=256, INTER=96)  # an intermediate size that is no power of two
-VARIANTS = [(128, 8, 1), (128, 8, 0), (256, 4, 1), (256, 4, 0), (264, 4, 1), (264, 4, 0)]
+VARIANTS = [(256, 4, 1), (256, 4, 2), (256, 8, 2), (264, 8, 2), (132, 16, 2), (128, 8, 2)]
 EPS = 1e-6
 CHUNK_ELEMS = 128  # weight elements a thread loads in one chunk of rows
 
@@ -87,8 +89,9 @@ def chain(w: dict, s: dict) -> tuple[torch.Tensor, torch.Tensor]:
 class Persistent:
     """The buffers and launch of layers_kernel for G programs."""
 
-    def __init__(self, w: dict, s: dict, programs: int, warps: int, prefetch: int):
-        self.w, self.s, self.G, self.warps, self.prefetch = w, s, programs, warps, prefetch
+    def __init__(self, w: dict, s: dict, programs: int, warps: int, prefetch: int, maxnreg: int | None = None):
+        self.w, self.s, self.G, self.prefetch = w, s, programs, prefetch
+        self.options = dict(num_warps=warps) | (dict(maxnreg=maxnreg) if maxnreg else {})
         dev, H = w["d0"].device, s["H"]
         new = lambda n: torch.zeros((1, n), device=dev, dtype=torch.bfloat16)  # noqa: E731
         self.d, self.res_a, self.res_b = new(H), new(H), new(H)
@@ -96,8 +99,12 @@ class Persistent:
         self.bar = torch.zeros(1, device=dev, dtype=torch.int32)
         shares = [cdiv(n, programs) for n in (s["QKV"], H, 2 * s["INTER"], H)]
         ks = [H, s["Q"], H, next_pow2(s["INTER"])]
-        # rows a chunk: a power of two that divides the share, at most CHUNK_ELEMS a thread
-        chunk = [min(share & -share, CHUNK_ELEMS * 32 * warps // k) for share, k in zip(shares, ks)]
+        # rows a chunk: a power of two that divides the share, at most CHUNK_ELEMS a thread;
+        # with PREFETCH 2 the whole share, padded to its power of two
+        if prefetch == 2:
+            chunk = [next_pow2(share) for share in shares]
+        else:
+            chunk = [min(share & -share, CHUNK_ELEMS * 32 * warps // k) for share, k in zip(shares, ks)]
         self.meta = dict(
             H=H, Q=s["Q"], QKV=s["QKV"], INTER=s["INTER"], IP=ks[3],
             SA=shares[0], RA=chunk[0], SB=shares[1], RB=chunk[1], SC=shares[2], RC=chunk[2], SD=shares[3], RD=chunk[3],
@@ -117,7 +124,7 @@ class Persistent:
         )  # fmt: skip
 
     def launch(self, only: int = -1, layer0: int = 0) -> None:
-        layers_kernel[(self.G,)](*self.args(layer0, self.s["L"]), **self.meta, ONLY=only, num_warps=self.warps)
+        layers_kernel[(self.G,)](*self.args(layer0, self.s["L"]), **self.meta, ONLY=only, **self.options)
 
     def run_phases(self) -> None:
         """Phase by phase, one launch each (the interpreter's way: no barrier to cross)."""
@@ -127,16 +134,16 @@ class Persistent:
                 self.launch(only=phase, layer0=layer)
 
     def compiled(self):
-        kernel = layers_kernel.warmup(
-            *self.args(0, self.s["L"]), **self.meta, ONLY=-1, num_warps=self.warps, grid=(self.G,)
-        )
+        kernel = layers_kernel.warmup(*self.args(0, self.s["L"]), **self.meta, ONLY=-1, **self.options, grid=(self.G,))
         kernel._init_handles()  # loads it: the register and spill counts come with the load
         return kernel
 
 
-def check(programs: tuple[int, ...] = (3, 5)) -> list[tuple[int, float, float]]:
-    """Phase by phase in the interpreter at TINY's shapes, against the chain: (programs, max
-    ulps of the output, of the residual) for each program count."""
+def check(programs: tuple[int, ...] = (3, 5)) -> list[tuple[str, float, float]]:
+    """In the interpreter at TINY's shapes, against the chain: phase by phase for each program
+    count, and the whole launch, barriers included, for one program at each PREFETCH (one
+    program crosses each barrier by its own arrival). (what ran, max ulps of the output, of
+    the residual) each."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     w = make_weights(TINY, "cpu")
     ref_d, ref_res = chain(w, TINY)
@@ -144,8 +151,14 @@ def check(programs: tuple[int, ...] = (3, 5)) -> list[tuple[int, float, float]]:
     for g in programs:
         p = Persistent(w, TINY, g, 4, 1)
         p.run_phases()
-        found.append((g, ulps(p.d, ref_d), ulps(p.res_b, ref_res)))
-        print(f"G={g}: max ulps d {found[-1][1]:.1f}, residual {found[-1][2]:.1f}")
+        found.append((f"G={g} phase by phase", ulps(p.d, ref_d), ulps(p.res_b, ref_res)))
+    for prefetch in (0, 1, 2):
+        p = Persistent(w, TINY, 1, 4, prefetch)
+        p.reset()
+        p.launch()
+        found.append((f"G=1 one launch, PREFETCH {prefetch}", ulps(p.d, ref_d), ulps(p.res_b, ref_res)))
+    for what, ulps_d, ulps_res in found:
+        print(f"{what}: max ulps d {ulps_d:.1f}, residual {ulps_res:.1f}")
     return found
 
 
@@ -159,6 +172,15 @@ def resident_programs(kernel, warps: int, device: torch.device) -> int:
     shared = kernel.metadata.shared
     by_shared = props.shared_memory_per_multiprocessor // shared if shared else by_warps
     return min(by_regs, by_warps, by_shared) * props.multi_processor_count
+
+
+def register_cap(programs: int, warps: int, device: torch.device) -> int | None:
+    """The registers a thread may take for all programs to be resident (None: no cap below the
+    255 that a thread can address)."""
+    props = torch.cuda.get_device_properties(device)
+    per_sm = cdiv(programs, props.multi_processor_count)
+    cap = props.regs_per_multiprocessor // (per_sm * warps * 32) // 8 * 8
+    return cap if cap < 255 else None
 
 
 def graph_us(step, reset, steps: int = 10, replays: int = 20, repeats: int = 3) -> float:
@@ -193,7 +215,7 @@ def variant(programs: int, warps: int, prefetch: int) -> dict:
     os.environ["PICOVLLM_PDL"] = "1"
     w = make_weights(QWEN3, "cuda")
     ref_d, ref_res = chain(w, QWEN3)
-    p = Persistent(w, QWEN3, programs, warps, prefetch)
+    p = Persistent(w, QWEN3, programs, warps, prefetch, register_cap(programs, warps, ref_d.device))
     kernel = p.compiled()
     row = dict(G=programs, warps=warps, prefetch=prefetch, regs=kernel.n_regs, spills=kernel.n_spills)
     row["resident"] = resident_programs(kernel, warps, ref_d.device)

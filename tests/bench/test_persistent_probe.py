@@ -1,6 +1,8 @@
 """bench/persistent_kernel.py's phases in the interpreter, at a small shape whose intermediate
 size is no power of two: program counts that split the rows unevenly give the chain's output
-and residual (the barrier itself runs on a GPU only, in bench/persistent_probe.py gpu)."""
+and residual phase by phase, and one program gives it through the whole launch, barriers and
+each prefetch mode included (many programs cross a barrier on a GPU only, in
+bench/persistent_probe.py gpu)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,6 @@ def test_phases_equal_the_gemv_chain():
     from bench import persistent_probe
 
     found = persistent_probe.check((3, 5))
-    assert [g for g, _, _ in found] == [3, 5]
+    assert len(found) == 5
     for _, ulps_d, ulps_res in found:
         assert ulps_d <= 1.0 and ulps_res <= 1.0
