@@ -10,13 +10,16 @@ projections' share of the step.
 
     python bench/persistent_probe.py check                      # the CPU (interpreter) check
     python bench/persistent_probe.py gpu [--out results.md]     # on a GPU: the timings
+    python bench/persistent_probe.py build                      # the Gluon kernel built for sm_90
 
 The GPU run first times a kernel that does nothing but the barriers (its count also checks
 that a scalar atomic counts once a program), then each (programs, warps, prefetch) variant in
 a child process of its own (one that does not finish is reported, not waited on); every child
 also times the chain, so each row compares figures of one process. Where more than one
 program shares an SM, the compile caps the registers a thread at what lets them all be
-resident (the regs column then reads at most the cap; spills are the price).
+resident (the regs column then reads at most the cap; spills are the price). Prefetch 3 is
+bench/persistent_tma_kernel.py's Gluon launch (Hopper only): warps are its consumer's, beside
+one producer warp.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from pico_kernels.triton_common import cdiv, fix_bf16_rounding, next_pow2  # noq
 
 QWEN3 = dict(L=28, H=1024, Q=2048, QKV=4096, INTER=3072)  # Qwen3-0.6B's layers
 TINY = dict(L=2, H=64, Q=128, QKV=256, INTER=96)  # an intermediate size that is no power of two
-VARIANTS = [(256, 4, 1), (256, 4, 2), (256, 8, 2), (264, 8, 2), (132, 16, 2), (128, 8, 2)]
+VARIANTS = [(256, 4, 1), (256, 4, 2), (256, 8, 2), (128, 8, 2), (128, 4, 3), (64, 4, 3)]
+TMA = 3  # the prefetch value that names bench/persistent_tma_kernel.py's Gluon launch (Hopper)
+TMA_STAGES = 48  # its ring of [8, 256] weight boxes: 192 KB of shared memory
 EPS = 1e-6
 CHUNK_ELEMS = 128  # weight elements a thread loads in one chunk of rows
 
@@ -210,26 +215,82 @@ def graph_us(step, reset, steps: int = 10, replays: int = 20, repeats: int = 3) 
     return sorted(times)[len(times) // 2]
 
 
+def tma_launcher(p: Persistent):
+    """The launch of the Gluon kernel over p's buffers and weights (p's shares, TMA_STAGES)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from bench.persistent_tma_kernel import KB, RB, tma_layers_kernel
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    stacked = [p.w[k].view(-1, p.w[k].shape[-1]) for k in ("w_qkv", "w_o", "w_gu", "w_down")]
+    descs = [TensorDescriptor.from_tensor(t, [RB.value, KB.value], layout) for t in stacked]
+    args = (p.d, p.res_a, p.res_b, p.qkv, p.o, p.gu, p.bar, *descs, p.w["nw_in"], p.w["nw_post"], EPS, p.s["L"])
+    meta = {k: p.meta[k] for k in ("H", "Q", "QKV", "INTER", "IP", "SA", "SB", "SC", "SD")}
+    return lambda: tma_layers_kernel[(p.G,)](*args, **meta, STAGES=TMA_STAGES, num_warps=4)
+
+
+def build() -> dict:
+    """tma_layers_kernel compiled for sm_90 at QWEN3's shapes and 128 programs, on any machine:
+    its shared memory, TMA copies and grid-barrier arrivals in the PTX."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from bench.persistent_tma_kernel import KB, RB, tma_layers_kernel
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    pointers = ["d_ptr", "res_a", "res_b", "qkv_ptr", "o_ptr", "gu_ptr", "bar_ptr", "nw_in", "nw_post"]
+    signature = {n: "*i32" if n == "bar_ptr" else "*bf16" for n in pointers} | {"eps": "fp32", "n_layers": "i32"}
+    signature |= dict.fromkeys(["dq", "do", "dgu", "dd"], f"tensordesc<bf16[{RB.value}, {KB.value}],{layout}>")
+    s, g = QWEN3, 128
+    constants = dict(H=s["H"], Q=s["Q"], QKV=s["QKV"], INTER=s["INTER"], IP=next_pow2(s["INTER"]),
+                     SA=s["QKV"] // g, SB=s["H"] // g, SC=2 * s["INTER"] // g, SD=s["H"] // g, STAGES=TMA_STAGES,
+                     num_warps=4)  # fmt: skip
+    names = list(tma_layers_kernel.arg_names)
+    signature = {n: (signature | dict.fromkeys(constants, "constexpr"))[n] for n in names}
+    src = GluonASTSource(
+        tma_layers_kernel,
+        signature,
+        constexprs={(names.index(k),): v for k, v in constants.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in pointers},
+    )
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    return dict(
+        shared=kernel.metadata.shared,
+        tma_loads=ptx.count("cp.async.bulk.tensor"),
+        arrivals=len([ln for ln in ptx.splitlines() if "atom.global.gpu.acq_rel.add" in ln]),
+    )
+
+
 def variant(programs: int, warps: int, prefetch: int) -> dict:
     """One child's row: compile, check residency, check the output, time it and the chain."""
     os.environ["PICOVLLM_PDL"] = "1"
     w = make_weights(QWEN3, "cuda")
     ref_d, ref_res = chain(w, QWEN3)
-    p = Persistent(w, QWEN3, programs, warps, prefetch, register_cap(programs, warps, ref_d.device))
-    kernel = p.compiled()
-    row = dict(G=programs, warps=warps, prefetch=prefetch, regs=kernel.n_regs, spills=kernel.n_spills)
-    row["resident"] = resident_programs(kernel, warps, ref_d.device)
+    row = dict(G=programs, warps=warps, prefetch=prefetch)
+    if prefetch == TMA:  # one program an SM (its shared memory), so all resident where G <= SMs
+        p = Persistent(w, QWEN3, programs, warps, prefetch)
+        launch = tma_launcher(p)
+        row["resident"] = torch.cuda.get_device_properties(ref_d.device).multi_processor_count
+    else:
+        p = Persistent(w, QWEN3, programs, warps, prefetch, register_cap(programs, warps, ref_d.device))
+        launch = p.launch
+        kernel = p.compiled()
+        row |= dict(regs=kernel.n_regs, spills=kernel.n_spills)
+        row["resident"] = resident_programs(kernel, warps, ref_d.device)
     chain_reset = lambda: p.bar.zero_()  # noqa: E731  (the same small memsets as the kernel's reset)
     row["chain_us"] = graph_us(lambda: chain(w, QWEN3), lambda: (p.d.copy_(w["d0"]), p.res_b.zero_(), chain_reset()))
     row["reset_us"] = graph_us(lambda: None, p.reset)
     if row["resident"] < programs:
         return row | dict(note="not all programs resident: not launched")
     p.reset()
-    p.launch()
+    launch()
     torch.cuda.synchronize()
     row["ulps_d"], row["ulps_res"] = ulps(p.d, ref_d), ulps(p.res_b, ref_res)
     row["barriers_seen"] = p.bar.item()
-    row["persistent_us"] = graph_us(p.launch, p.reset)
+    row["persistent_us"] = graph_us(launch, p.reset)
     return row
 
 
@@ -255,7 +316,7 @@ def gpu(out: str | None) -> None:
         "Barriers alone (112 a step, one launch):",
         "",
     ]
-    for programs, warps in sorted({(g, wp) for g, wp, _ in VARIANTS}):
+    for programs, warps in sorted({(g, wp) for g, wp, pf in VARIANTS if pf != TMA}):
         us, once = barrier_us(programs, warps)
         lines.append(f"- {programs} programs x {warps} warps: {us:.1f} us ({us / 112:.2f} us a barrier); "
                      f"each program counted once: {once}")  # fmt: skip
@@ -269,11 +330,11 @@ def gpu(out: str | None) -> None:
     for programs, warps, prefetch in VARIANTS:
         cmd = [sys.executable, __file__, "variant", str(programs), str(warps), str(prefetch)]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             rows = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
             row = json.loads(rows[-1]) if rows else dict(note=f"exit {done.returncode}: {done.stderr[-300:]!r}")
         except subprocess.TimeoutExpired:
-            row = dict(note="did not finish in 180 s")
+            row = dict(note="did not finish in 120 s")
         print(row, flush=True)
         g = lambda k, f="{:.1f}", row=row: f.format(row[k]) if k in row else "-"  # noqa: E731
         ratio = "-"
@@ -294,7 +355,7 @@ def gpu(out: str | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["check", "gpu", "variant"])
+    ap.add_argument("mode", choices=["check", "gpu", "variant", "build"])
     ap.add_argument("params", nargs="*", type=int, help="variant: programs warps prefetch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -302,6 +363,8 @@ def main() -> None:
         check()
     elif args.mode == "gpu":
         gpu(args.out)
+    elif args.mode == "build":
+        print(json.dumps(build()), flush=True)
     else:
         print(json.dumps(variant(*args.params)), flush=True)
 

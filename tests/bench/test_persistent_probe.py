@@ -26,3 +26,20 @@ def test_phases_equal_the_gemv_chain():
     assert len(found) == 5
     for _, ulps_d, ulps_res in found:
         assert ulps_d <= 1.0 and ulps_res <= 1.0
+
+
+def test_tma_probe_compiles_for_hopper_in_shared_memory(tmp_path):
+    """bench/persistent_tma_kernel.py built for sm_90 on the CPU (a child process: under the
+    interpreter nothing compiles): its ring of weight boxes fits the shared memory, the
+    producer issues TMA copies, and the consumer crosses each grid barrier by one atomic."""
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "bench.persistent_probe", "build"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    build = json.loads(done.stdout.strip().splitlines()[-1])
+    assert build["shared"] <= 227 * 1024, build
+    assert build["tma_loads"] >= 1 and build["arrivals"] == 4, build  # one arrival a phase
