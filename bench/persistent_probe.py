@@ -17,9 +17,9 @@ that a scalar atomic counts once a program), then each (programs, warps, prefetc
 a child process of its own (one that does not finish is reported, not waited on); every child
 also times the chain, so each row compares figures of one process. Where more than one
 program shares an SM, the compile caps the registers a thread at what lets them all be
-resident (the regs column then reads at most the cap; spills are the price). Prefetch 3 is
-bench/persistent_tma_kernel.py's Gluon launch (Hopper only): warps are its consumer's, beside
-one producer warp.
+resident (the regs column then reads at most the cap; spills are the price). Prefetch 3 and
+up is bench/persistent_tma_kernel.py's Gluon launch (Hopper only) with 2 ** (prefetch - 3)
+boxes a stage: warps are its consumer's, beside one producer warp.
 """
 
 from __future__ import annotations
@@ -43,9 +43,11 @@ from pico_kernels.triton_common import cdiv, fix_bf16_rounding, next_pow2  # noq
 
 QWEN3 = dict(L=28, H=1024, Q=2048, QKV=4096, INTER=3072)  # Qwen3-0.6B's layers
 TINY = dict(L=2, H=64, Q=128, QKV=256, INTER=96)  # an intermediate size that is no power of two
-VARIANTS = [(256, 4, 1), (256, 4, 2), (256, 8, 2), (128, 8, 2), (128, 4, 3), (64, 4, 3)]
-TMA = 3  # the prefetch value that names bench/persistent_tma_kernel.py's Gluon launch (Hopper)
-TMA_STAGES = 48  # its ring of [8, 256] weight boxes: 192 KB of shared memory
+VARIANTS = [(256, 4, 1), (256, 4, 2), (128, 4, 3), (128, 4, 4), (128, 4, 5), (64, 4, 5)]
+# prefetch values from TMA on name bench/persistent_tma_kernel.py's Gluon launch (Hopper), with
+# 2 ** (prefetch - TMA) boxes a stage; its ring holds TMA_BOXES [8, 256] boxes (192 KB)
+TMA = 3
+TMA_BOXES = 48
 EPS = 1e-6
 CHUNK_ELEMS = 128  # weight elements a thread loads in one chunk of rows
 
@@ -216,7 +218,7 @@ def graph_us(step, reset, steps: int = 10, replays: int = 20, repeats: int = 3) 
 
 
 def tma_launcher(p: Persistent):
-    """The launch of the Gluon kernel over p's buffers and weights (p's shares, TMA_STAGES)."""
+    """The launch of the Gluon kernel over p's buffers and weights (p's shares and prefetch)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -227,11 +229,13 @@ def tma_launcher(p: Persistent):
     descs = [TensorDescriptor.from_tensor(t, [RB.value, KB.value], layout) for t in stacked]
     args = (p.d, p.res_a, p.res_b, p.qkv, p.o, p.gu, p.bar, *descs, p.w["nw_in"], p.w["nw_post"], EPS, p.s["L"])
     meta = {k: p.meta[k] for k in ("H", "Q", "QKV", "INTER", "IP", "SA", "SB", "SC", "SD")}
-    return lambda: tma_layers_kernel[(p.G,)](*args, **meta, STAGES=TMA_STAGES, num_warps=4)
+    boxes = 2 ** (p.prefetch - TMA)
+    return lambda: tma_layers_kernel[(p.G,)](*args, **meta, STAGES=TMA_BOXES // boxes, BOXES=boxes, num_warps=4)
 
 
 def build() -> dict:
-    """tma_layers_kernel compiled for sm_90 at QWEN3's shapes and 128 programs, on any machine:
+    """tma_layers_kernel compiled for sm_90 at QWEN3's shapes, 128 programs and four boxes a
+    stage, on any machine:
     its shared memory, TMA copies and grid-barrier arrivals in the PTX."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -245,8 +249,8 @@ def build() -> dict:
     signature |= dict.fromkeys(["dq", "do", "dgu", "dd"], f"tensordesc<bf16[{RB.value}, {KB.value}],{layout}>")
     s, g = QWEN3, 128
     constants = dict(H=s["H"], Q=s["Q"], QKV=s["QKV"], INTER=s["INTER"], IP=next_pow2(s["INTER"]),
-                     SA=s["QKV"] // g, SB=s["H"] // g, SC=2 * s["INTER"] // g, SD=s["H"] // g, STAGES=TMA_STAGES,
-                     num_warps=4)  # fmt: skip
+                     SA=s["QKV"] // g, SB=s["H"] // g, SC=2 * s["INTER"] // g, SD=s["H"] // g, STAGES=TMA_BOXES // 4,
+                     BOXES=4, num_warps=4)  # fmt: skip
     names = list(tma_layers_kernel.arg_names)
     signature = {n: (signature | dict.fromkeys(constants, "constexpr"))[n] for n in names}
     src = GluonASTSource(
@@ -270,7 +274,7 @@ def variant(programs: int, warps: int, prefetch: int) -> dict:
     w = make_weights(QWEN3, "cuda")
     ref_d, ref_res = chain(w, QWEN3)
     row = dict(G=programs, warps=warps, prefetch=prefetch)
-    if prefetch == TMA:  # one program an SM (its shared memory), so all resident where G <= SMs
+    if prefetch >= TMA:  # one program an SM (its shared memory), so all resident where G <= SMs
         p = Persistent(w, QWEN3, programs, warps, prefetch)
         launch = tma_launcher(p)
         row["resident"] = torch.cuda.get_device_properties(ref_d.device).multi_processor_count
@@ -316,7 +320,7 @@ def gpu(out: str | None) -> None:
         "Barriers alone (112 a step, one launch):",
         "",
     ]
-    for programs, warps in sorted({(g, wp) for g, wp, pf in VARIANTS if pf != TMA}):
+    for programs, warps in sorted({(g, wp) for g, wp, pf in VARIANTS if pf < TMA}):
         us, once = barrier_us(programs, warps)
         lines.append(f"- {programs} programs x {warps} warps: {us:.1f} us ({us / 112:.2f} us a barrier); "
                      f"each program counted once: {once}")  # fmt: skip

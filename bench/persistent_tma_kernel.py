@@ -7,12 +7,12 @@ wait, which holds at most one phase's share and loses to the chain of gemv launc
 program (one an SM) splits its warps:
 
     producer (1 warp)     walks the program's weight boxes of every phase of every layer in
-                          order, each [RB, KB] box into the next stage of a ring of STAGES,
+                          order, BOXES [RB, KB] boxes into each stage of a ring of STAGES,
                           waiting only for that stage to be freed: no phase writes weights, so
-                          it runs up to STAGES boxes ahead, through the grid barriers
+                          it runs up to STAGES stages ahead, through the grid barriers
     consumer (4 warps)    per phase: waits at the grid barrier, computes the phase's input
                           row into shared memory, then for each RB-row group of its share
-                          multiplies the boxes as they land, frees each stage, and stores the
+                          multiplies the stages as they land, frees each, and stores the
                           group's outputs; arrives at the barrier
 
 The phases and their rounding are the Triton probe's (A q|k|v of the normed residual, B o of
@@ -46,15 +46,17 @@ def _row_layout(num_warps):
 
 @gluon.jit
 def _stream(desc, ring, ready, empty, i, row0, ROWS: gl.constexpr, K: gl.constexpr):
-    """The producer's boxes of one phase: rows [row0, row0 + ROWS) of desc's weight, KB
-    columns a box; i counts boxes over the launch."""
-    STAGES: gl.constexpr = ring.shape[0]
+    """The producer's stages of one phase: rows [row0, row0 + ROWS) of desc's weight, BOXES
+    boxes of KB columns a stage; i counts stages over the launch."""
+    STAGES: gl.constexpr = ready.shape[0]
+    BOXES: gl.constexpr = ring.shape[0] // STAGES
     for g in range(ROWS // RB):
-        for kb in range(K // KB):
+        for kb in range(K // (KB * BOXES)):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), RB * KB * 2)
-            _tma_load(desc, [row0 + g * RB, kb * KB], ready.index(s), ring.index(s))
+            mbarrier.expect(ready.index(s), BOXES * RB * KB * 2)
+            for b in gl.static_range(BOXES):
+                _tma_load(desc, [row0 + g * RB, (kb * BOXES + b) * KB], ready.index(s), ring.index(s * BOXES + b))
             i += 1
     return i
 
@@ -75,18 +77,20 @@ def _producer(
 @gluon.jit
 def _project(ring, ready, empty, xbuf, out_ptr, i, row0, ROWS: gl.constexpr, K: gl.constexpr, num_warps: gl.constexpr):
     """The consumer's side of _stream: out[row0 + r] = W[r] . x for the program's ROWS rows, x
-    the phase's input in xbuf; returns the box count."""
-    STAGES: gl.constexpr = ring.shape[0]
+    the phase's input in xbuf; returns the stage count."""
+    STAGES: gl.constexpr = ready.shape[0]
+    BOXES: gl.constexpr = ring.shape[0] // STAGES
     box: gl.constexpr = _box_layout(num_warps)
     dt: gl.constexpr = out_ptr.dtype.element_ty
     for g in range(ROWS // RB):
         acc = gl.zeros([RB, KB], gl.float32, box)
-        for kb in gl.static_range(K // KB):
+        for kb in gl.static_range(K // (KB * BOXES)):
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            w = ring.index(s).load(box).to(gl.float32)
-            x = xbuf.slice(kb * KB, KB).load(gl.SliceLayout(0, box))
-            acc += w * gl.expand_dims(x, 0)
+            for b in gl.static_range(BOXES):
+                w = ring.index(s * BOXES + b).load(box).to(gl.float32)
+                x = xbuf.slice((kb * BOXES + b) * KB, KB).load(gl.SliceLayout(0, box))
+                acc += w * gl.expand_dims(x, 0)
             _barrier()  # every warp has read the stage
             mbarrier.arrive(empty.index(s), count=1)
             i += 1
@@ -172,14 +176,15 @@ def tma_layers_kernel(
     d_ptr, res_a, res_b, qkv_ptr, o_ptr, gu_ptr, bar_ptr, dq, do, dgu, dd, nw_in, nw_post, eps, n_layers,
     H: gl.constexpr, Q: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, IP: gl.constexpr,
     SA: gl.constexpr, SB: gl.constexpr, SC: gl.constexpr, SD: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    BOXES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """The buffers as the Triton probe's layers_kernel takes them; dq, do, dgu, dd: TMA
     descriptors over the stacked weights as (layers x N, K), [RB, KB] boxes; S*: each phase's
-    rows a program (multiples of RB); bar_ptr: an int32 counter, zero at the launch."""
+    rows a program (multiples of RB); STAGES stages of BOXES boxes each (BOXES dividing every
+    K / KB); bar_ptr: an int32 counter, zero at the launch."""
     p = gl.program_id(0)
     G = gl.num_programs(0)
-    ring = gl.allocate_shared_memory(dq.dtype, [STAGES, RB, KB], dq.layout)
+    ring = gl.allocate_shared_memory(dq.dtype, [STAGES * BOXES, RB, KB], dq.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     xbuf = gl.allocate_shared_memory(gl.float32, [IP], gl.SwizzledSharedLayout(1, 1, 1, [0]))
