@@ -11,6 +11,7 @@ projections' share of the step.
     python bench/persistent_probe.py check                      # the CPU (interpreter) check
     python bench/persistent_probe.py gpu [--out results.md]     # on a GPU: the timings
     python bench/persistent_probe.py build                      # the Gluon kernel built for sm_90
+    python bench/persistent_probe.py phases [--out results.md]  # on a Hopper GPU: a phase's parts
 
 The GPU run first times a kernel that does nothing but the barriers (its count also checks
 that a scalar atomic counts once a program), then each (programs, warps, prefetch) variant in
@@ -217,7 +218,7 @@ def graph_us(step, reset, steps: int = 10, replays: int = 20, repeats: int = 3) 
     return sorted(times)[len(times) // 2]
 
 
-def tma_launcher(p: Persistent):
+def tma_launcher(p: Persistent, work: int = 2):
     """The launch of the Gluon kernel over p's buffers and weights (p's shares and prefetch)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -230,13 +231,15 @@ def tma_launcher(p: Persistent):
     args = (p.d, p.res_a, p.res_b, p.qkv, p.o, p.gu, p.bar, *descs, p.w["nw_in"], p.w["nw_post"], EPS, p.s["L"])
     meta = {k: p.meta[k] for k in ("H", "Q", "QKV", "INTER", "IP", "SA", "SB", "SC", "SD")}
     boxes = 2 ** (p.prefetch - TMA)
-    return lambda: tma_layers_kernel[(p.G,)](*args, **meta, STAGES=TMA_BOXES // boxes, BOXES=boxes, num_warps=4)
+    return lambda: tma_layers_kernel[(p.G,)](
+        *args, **meta, STAGES=TMA_BOXES // boxes, BOXES=boxes, WORK=work, num_warps=4
+    )
 
 
-def build() -> dict:
-    """tma_layers_kernel compiled for sm_90 at QWEN3's shapes, 128 programs and four boxes a
-    stage, on any machine:
-    its shared memory, TMA copies and grid-barrier arrivals in the PTX."""
+def build(work: int = 2) -> dict:
+    """tma_layers_kernel compiled for sm_90 at QWEN3's shapes, 128 programs, four boxes a stage
+    and the given WORK, on any machine: its shared memory, TMA copies and grid-barrier
+    arrivals in the PTX."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -250,7 +253,7 @@ def build() -> dict:
     s, g = QWEN3, 128
     constants = dict(H=s["H"], Q=s["Q"], QKV=s["QKV"], INTER=s["INTER"], IP=next_pow2(s["INTER"]),
                      SA=s["QKV"] // g, SB=s["H"] // g, SC=2 * s["INTER"] // g, SD=s["H"] // g, STAGES=TMA_BOXES // 4,
-                     BOXES=4, num_warps=4)  # fmt: skip
+                     BOXES=4, WORK=work, num_warps=4)  # fmt: skip
     names = list(tma_layers_kernel.arg_names)
     signature = {n: (signature | dict.fromkeys(constants, "constexpr"))[n] for n in names}
     src = GluonASTSource(
@@ -357,9 +360,35 @@ def gpu(out: str | None) -> None:
                      "\n".join(lines))  # fmt: skip
 
 
+def phases(out: str | None, programs: int = 128) -> None:
+    """Where a phase of the Gluon launch goes (one box a stage): timed crossing the barriers
+    only (WORK 0), also putting each phase's input row (1), and whole (2), beside the chain."""
+    os.environ["PICOVLLM_PDL"] = "1"
+    env = environment()
+    w = make_weights(QWEN3, "cuda")
+    p = Persistent(w, QWEN3, programs, 4, TMA)
+    chain_us = graph_us(lambda: chain(w, QWEN3), lambda: (p.d.copy_(w["d0"]), p.res_b.zero_(), p.bar.zero_()))
+    reset_us = graph_us(lambda: None, p.reset)
+    lines = [
+        f"{programs} programs, 4 consumer warps and a producer warp each, one [8, 256] box a stage; "
+        f"112 phases a step; the chain of gemv launches {chain_us:.1f} us, the reset {reset_us:.1f} us.",
+        "",
+        "| work a phase | us a step (reset off) | us a phase |",
+        "| --- | ---: | ---: |",
+    ]
+    what = ["the grid barrier only", "+ the input row read, normed and put", "+ the products (the whole launch)"]
+    for work in (0, 1, 2):
+        us = graph_us(tma_launcher(p, work), p.reset) - reset_us
+        lines.append(f"| {what[work]} | {us:.1f} | {us / 112:.2f} |")
+        print(lines[-1], flush=True)
+    print("\n".join(lines))
+    if out:
+        write_result(out, "Where a phase of the persistent Gluon launch goes (batch 1)", env, "\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["check", "gpu", "variant", "build"])
+    ap.add_argument("mode", choices=["check", "gpu", "variant", "build", "phases"])
     ap.add_argument("params", nargs="*", type=int, help="variant: programs warps prefetch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -367,6 +396,8 @@ def main() -> None:
         check()
     elif args.mode == "gpu":
         gpu(args.out)
+    elif args.mode == "phases":
+        phases(args.out)
     elif args.mode == "build":
         print(json.dumps(build()), flush=True)
     else:

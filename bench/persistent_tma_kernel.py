@@ -65,9 +65,10 @@ def _stream(desc, ring, ready, empty, i, row0, ROWS: gl.constexpr, K: gl.constex
 def _producer(
     dq, do, dgu, dd, ring, ready, empty, n_layers, p, SA: gl.constexpr, SB: gl.constexpr, SC: gl.constexpr,
     SD: gl.constexpr, H: gl.constexpr, Q: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr,
+    WORK: gl.constexpr,
 ):  # fmt: skip
     i = 0
-    for layer in range(n_layers):
+    for layer in range(n_layers if WORK == 2 else 0):
         i = _stream(dq, ring, ready, empty, i, layer * QKV + p * SA, SA, H)
         i = _stream(do, ring, ready, empty, i, layer * H + p * SB, SB, Q)
         i = _stream(dgu, ring, ready, empty, i, layer * 2 * INTER + p * SC, SC, H)
@@ -144,31 +145,41 @@ def _silu_mul(gu_ptr, INTER: gl.constexpr, IP: gl.constexpr, num_warps: gl.const
 
 
 @gluon.jit
+def _phase(ring, ready, empty, xbuf, x, out_ptr, i, row0, ROWS: gl.constexpr, K: gl.constexpr, bar_ptr, target,
+           WORK: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """One phase of the consumer: its input row x put, its share projected, the barrier
+    crossed; WORK 0 only crosses, 1 also puts the input (bench/persistent_probe.py phases)."""
+    if WORK >= 1:
+        _put(xbuf, x)
+    if WORK == 2:
+        i = _project(ring, ready, empty, xbuf, out_ptr, i, row0, ROWS, K, num_warps)
+    _grid_barrier(bar_ptr, target)
+    return i
+
+
+@gluon.jit
 def _consumer(
     d_ptr, res_a, res_b, qkv_ptr, o_ptr, gu_ptr, bar_ptr, nw_in, nw_post, eps, n_layers, ring, ready, empty, xbuf,
     p, G, SA: gl.constexpr, SB: gl.constexpr, SC: gl.constexpr, SD: gl.constexpr, H: gl.constexpr,
-    Q: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, IP: gl.constexpr, num_warps: gl.constexpr,
+    Q: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, IP: gl.constexpr, WORK: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     i = 0
-    arrivals = 0
+    t = 0  # arrivals at the grid barrier once the phase is crossed
+    rows_l: gl.constexpr = _row_layout(num_warps)
     for layer in range(n_layers):
-        _put(xbuf, _normed(d_ptr, res_b, res_a, nw_in, layer, p, eps, H, num_warps))
-        i = _project(ring, ready, empty, xbuf, qkv_ptr, i, p * SA, SA, H, num_warps)
-        arrivals += G
-        _grid_barrier(bar_ptr, arrivals)
-        q = gl.load(qkv_ptr + gl.arange(0, Q, layout=_row_layout(num_warps)), cache_modifier=".cg")
-        _put(xbuf, q.to(gl.float32))
-        i = _project(ring, ready, empty, xbuf, o_ptr, i, p * SB, SB, Q, num_warps)
-        arrivals += G
-        _grid_barrier(bar_ptr, arrivals)
-        _put(xbuf, _normed(o_ptr, res_a, res_b, nw_post, layer, p, eps, H, num_warps))
-        i = _project(ring, ready, empty, xbuf, gu_ptr, i, p * SC, SC, H, num_warps)
-        arrivals += G
-        _grid_barrier(bar_ptr, arrivals)
-        _put(xbuf, _silu_mul(gu_ptr, INTER, IP, num_warps))
-        i = _project(ring, ready, empty, xbuf, d_ptr, i, p * SD, SD, INTER, num_warps)
-        arrivals += G
-        _grid_barrier(bar_ptr, arrivals)
+        x = _normed(d_ptr, res_b, res_a, nw_in, layer, p, eps, H, num_warps)
+        t += G
+        i = _phase(ring, ready, empty, xbuf, x, qkv_ptr, i, p * SA, SA, H, bar_ptr, t, WORK, num_warps)
+        x = gl.load(qkv_ptr + gl.arange(0, Q, layout=rows_l), cache_modifier=".cg").to(gl.float32)
+        t += G
+        i = _phase(ring, ready, empty, xbuf, x, o_ptr, i, p * SB, SB, Q, bar_ptr, t, WORK, num_warps)
+        x = _normed(o_ptr, res_a, res_b, nw_post, layer, p, eps, H, num_warps)
+        t += G
+        i = _phase(ring, ready, empty, xbuf, x, gu_ptr, i, p * SC, SC, H, bar_ptr, t, WORK, num_warps)
+        x = _silu_mul(gu_ptr, INTER, IP, num_warps)
+        t += G
+        i = _phase(ring, ready, empty, xbuf, x, d_ptr, i, p * SD, SD, INTER, bar_ptr, t, WORK, num_warps)
 
 
 @gluon.jit
@@ -176,12 +187,13 @@ def tma_layers_kernel(
     d_ptr, res_a, res_b, qkv_ptr, o_ptr, gu_ptr, bar_ptr, dq, do, dgu, dd, nw_in, nw_post, eps, n_layers,
     H: gl.constexpr, Q: gl.constexpr, QKV: gl.constexpr, INTER: gl.constexpr, IP: gl.constexpr,
     SA: gl.constexpr, SB: gl.constexpr, SC: gl.constexpr, SD: gl.constexpr, STAGES: gl.constexpr,
-    BOXES: gl.constexpr, num_warps: gl.constexpr,
+    BOXES: gl.constexpr, WORK: gl.constexpr = 2, num_warps: gl.constexpr = 4,
 ):  # fmt: skip
     """The buffers as the Triton probe's layers_kernel takes them; dq, do, dgu, dd: TMA
     descriptors over the stacked weights as (layers x N, K), [RB, KB] boxes; S*: each phase's
     rows a program (multiples of RB); STAGES stages of BOXES boxes each (BOXES dividing every
-    K / KB); bar_ptr: an int32 counter, zero at the launch."""
+    K / KB); bar_ptr: an int32 counter, zero at the launch. WORK below 2 leaves the weights
+    unread and the outputs unwritten, to time the rest of a phase."""
     p = gl.program_id(0)
     G = gl.num_programs(0)
     ring = gl.allocate_shared_memory(dq.dtype, [STAGES * BOXES, RB, KB], dq.layout)
@@ -194,8 +206,8 @@ def tma_layers_kernel(
     gl.warp_specialize(
         [
             (_consumer, (d_ptr, res_a, res_b, qkv_ptr, o_ptr, gu_ptr, bar_ptr, nw_in, nw_post, eps, n_layers,
-                         ring, ready, empty, xbuf, p, G, SA, SB, SC, SD, H, Q, QKV, INTER, IP, num_warps)),
-            (_producer, (dq, do, dgu, dd, ring, ready, empty, n_layers, p, SA, SB, SC, SD, H, Q, QKV, INTER)),
+                         ring, ready, empty, xbuf, p, G, SA, SB, SC, SD, H, Q, QKV, INTER, IP, WORK, num_warps)),
+            (_producer, (dq, do, dgu, dd, ring, ready, empty, n_layers, p, SA, SB, SC, SD, H, Q, QKV, INTER, WORK)),
         ],
         [1],
         [40],
