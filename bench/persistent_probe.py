@@ -232,7 +232,7 @@ def tma_launcher(p: Persistent, work: int = 2):
     meta = {k: p.meta[k] for k in ("H", "Q", "QKV", "INTER", "IP", "SA", "SB", "SC", "SD")}
     boxes = 2 ** (p.prefetch - TMA)
     return lambda: tma_layers_kernel[(p.G,)](
-        *args, **meta, STAGES=TMA_BOXES // boxes, BOXES=boxes, WORK=work, num_warps=4
+        *args, **meta, STAGES=TMA_BOXES // boxes, BOXES=boxes, WORK=work, num_warps=p.options["num_warps"]
     )
 
 
