@@ -10,7 +10,6 @@ projections' share of the step.
 
     python bench/persistent_probe.py check                      # the CPU (interpreter) check
     python bench/persistent_probe.py gpu [--out results.md]     # on a GPU: the timings
-    python bench/persistent_probe.py build                      # the Gluon kernel built for sm_90
     python bench/persistent_probe.py phases [--out results.md]  # on a Hopper GPU: a phase's parts
 
 The GPU run first times a kernel that does nothing but the barriers (its count also checks
@@ -236,41 +235,6 @@ def tma_launcher(p: Persistent, work: int = 2):
     )
 
 
-def build(work: int = 2) -> dict:
-    """tma_layers_kernel compiled for sm_90 at QWEN3's shapes, 128 programs, four boxes a stage
-    and the given WORK, on any machine: its shared memory, TMA copies and grid-barrier
-    arrivals in the PTX."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from bench.persistent_tma_kernel import KB, RB, tma_layers_kernel
-
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    pointers = ["d_ptr", "res_a", "res_b", "qkv_ptr", "o_ptr", "gu_ptr", "bar_ptr", "nw_in", "nw_post"]
-    signature = {n: "*i32" if n == "bar_ptr" else "*bf16" for n in pointers} | {"eps": "fp32", "n_layers": "i32"}
-    signature |= dict.fromkeys(["dq", "do", "dgu", "dd"], f"tensordesc<bf16[{RB.value}, {KB.value}],{layout}>")
-    s, g = QWEN3, 128
-    constants = dict(H=s["H"], Q=s["Q"], QKV=s["QKV"], INTER=s["INTER"], IP=next_pow2(s["INTER"]),
-                     SA=s["QKV"] // g, SB=s["H"] // g, SC=2 * s["INTER"] // g, SD=s["H"] // g, STAGES=TMA_BOXES // 4,
-                     BOXES=4, WORK=work, num_warps=4)  # fmt: skip
-    names = list(tma_layers_kernel.arg_names)
-    signature = {n: (signature | dict.fromkeys(constants, "constexpr"))[n] for n in names}
-    src = GluonASTSource(
-        tma_layers_kernel,
-        signature,
-        constexprs={(names.index(k),): v for k, v in constants.items()},
-        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in pointers},
-    )
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = kernel.asm["ptx"]
-    return dict(
-        shared=kernel.metadata.shared,
-        tma_loads=ptx.count("cp.async.bulk.tensor"),
-        arrivals=len([ln for ln in ptx.splitlines() if "atom.global.gpu.acq_rel.add" in ln]),
-    )
-
-
 def variant(programs: int, warps: int, prefetch: int) -> dict:
     """One child's row: compile, check residency, check the output, time it and the chain."""
     os.environ["PICOVLLM_PDL"] = "1"
@@ -388,7 +352,7 @@ def phases(out: str | None, programs: int = 128) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["check", "gpu", "variant", "build", "phases"])
+    ap.add_argument("mode", choices=["check", "gpu", "variant", "phases"])
     ap.add_argument("params", nargs="*", type=int, help="variant: programs warps prefetch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -398,8 +362,6 @@ def main() -> None:
         gpu(args.out)
     elif args.mode == "phases":
         phases(args.out)
-    elif args.mode == "build":
-        print(json.dumps(build()), flush=True)
     else:
         print(json.dumps(variant(*args.params)), flush=True)
 
