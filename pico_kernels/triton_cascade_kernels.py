@@ -11,7 +11,7 @@ import triton.language as tl
 
 from pico_kernels.triton_cascade_store import normed_query_rows, store_kv_rows
 from pico_kernels.triton_common import load_rows, pdl_prologue
-from pico_kernels.triton_decode import attend_pages, combine_group
+from pico_kernels.triton_decode_tiles import attend_pages, combine_group
 
 
 @triton.jit

@@ -12,7 +12,9 @@ next launch (so the counters live across launches and CUDA graph replays; see
 last `window` tokens only: the splits cut that, and no earlier table entry is read.
 
 Contract: `paged_decode_attention` has the signature and semantics of
-`pico_kernels.reference.paged_decode_attention_ref`.
+`pico_kernels.reference.paged_decode_attention_ref`. Under programmatic dependent launch the
+kernel launched just ahead may have written each sequence's last key and value (the step's
+store), and no other: DecodeConfig.early reads the older ones before its wait.
 """
 
 from __future__ import annotations
@@ -31,20 +33,18 @@ from pico_kernels.triton_common import (
     interpreting,
     load_rows,
     mask_and,
-    mma,
-    mma_pv,
     next_pow2,
     num_sms,
     pdl_launch,
     pdl_prologue,
     query_operand,
     round_to,
-    softmax_step,
     split_p,
     upcast_dot,
     use_pdl,
 )
 from pico_kernels.triton_decode_lanes import attend_pages_lanes
+from pico_kernels.triton_decode_tiles import attend_pages, attend_span, attend_tile, combine_group, empty_state
 
 # Heuristic constants of pick_num_splits (see its docstring).
 PROGRAMS_PER_SM = 2
@@ -59,6 +59,10 @@ class DecodeConfig:
     split_p: bool = True  # bf16: P @ V with P as two bf16 terms (pico_kernels.triton_common.mma_pv)
     programs_per_sm: float = PROGRAMS_PER_SM  # the launch pick_num_splits aims at
     lanes: bool = False  # attend_pages_lanes (CUDA-core products; one warp a program)
+    # The first tile's keys but the last loaded before the PDL wait: the kernel ahead (the
+    # step's K/V store) writes only each sequence's last key (tensor-core loop only). Not a
+    # default yet: built for the batch-1 config and to be timed in it (bench/NOTES.md).
+    early: bool = False
 
 
 # The lanes loop's config (DecodeConfig.lanes): 16-token tiles, one warp, 16 programs an SM.
@@ -144,41 +148,6 @@ def pick_num_splits(
 
 
 @triton.jit
-def attend_pages(
-    q, table, k_head, v_head, start, end,
-    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
-):  # fmt: skip
-    """Online softmax of the query rows `q` (ROWS, BLOCK_D) over the tokens [start, end) of one
-    KV head, read through a block table (`table`: the row of page ids; `k_head`/`v_head`: the
-    caches offset to the head). Returns the unnormalised (acc, running max, sum), log2 scale.
-    The loop of the decode kernel and of both cascade kernels."""
-    q = query_operand(q, k_head.dtype.element_ty)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
-    d_mask = offs_d < HEAD_DIM
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + offs_n
-        t_mask = tok < end
-        block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-        slot = tok % PAGE
-        k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # (BLOCK_N, BLOCK_D)  # fmt: skip
-        qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (ROWS, BLOCK_N)
-        qk = tl.where(t_mask[None, :], qk, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-        v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # fmt: skip
-        acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _attend(
     q, table, k_head, v_head, start, end,
     stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
@@ -212,9 +181,11 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
     FIX_BF16: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr, WINDOWED: tl.constexpr, LANES_R: tl.constexpr,
+    PDL: tl.constexpr, WINDOWED: tl.constexpr, LANES_R: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue(PDL)
+    """Before `pdl_prologue`, what the kernel ahead does not write: the sequence's length (a
+    step input) and, with EARLY (DecodeConfig.early), the first tile's table entries and keys
+    and values but the step's own (position seq_len - 1), which is loaded after the wait."""
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
 
@@ -230,18 +201,45 @@ def _decode_split_kernel(
     q_heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    if EARLY:
+        D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
+        tok = start + tl.arange(0, BLOCK_N)
+        t_mask = tok < end
+        block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
+        k_rows = k_head + (block * stride_kb + (tok % PAGE) * stride_ks)[:, None] + offs_d[None, :]
+        v_rows = v_head + (block * stride_vb + (tok % PAGE) * stride_vs)[:, None] + offs_d[None, :]
+        old = tok < tl.minimum(end, seq_len - 1)
+        k = load_rows(k_rows, old, d_mask, True, D_MASK)
+        v = load_rows(v_rows, old, d_mask, True, D_MASK)
+    pdl_prologue(PDL)
 
     q = tl.load(
         q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
     )  # (GROUP_PAD, BLOCK_D)  # fmt: skip
 
-    acc, m_i, l_i = _attend(
-        q, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh, start, end,
-        stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-        BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P, LANES_R,
-    )  # fmt: skip
+    if EARLY:
+        new = t_mask & (tok == seq_len - 1)  # the step's key and value, stored by the kernel ahead
+        k = tl.where(new[:, None], load_rows(k_rows, new, d_mask, True, D_MASK), k)
+        v = tl.where(new[:, None], load_rows(v_rows, new, d_mask, True, D_MASK), v)
+        q = query_operand(q, k_cache_ptr.dtype.element_ty)
+        acc, m_i, l_i = empty_state(GROUP_PAD, BLOCK_D)
+        if start < end:
+            acc, m_i, l_i = attend_tile(
+                q, k.to(q.dtype), v.to(q.dtype), t_mask, acc, m_i, l_i, scale_log2, PRECISION, UPCAST, SPLIT_P
+            )
+        acc, m_i, l_i = attend_span(
+            q, table, k_head, v_head, start + BLOCK_N, end, acc, m_i, l_i, stride_kb, stride_ks, stride_vb, stride_vs,
+            scale_log2, BLOCK_N, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = _attend(
+            q, table, k_head, v_head, start, end, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+            BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P, LANES_R,
+        )  # fmt: skip
 
     if DIRECT:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # seq_len 0 (padding rows): zeros
@@ -280,45 +278,6 @@ def _decode_split_kernel(
                     GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_S, FIX_BF16,
                 )  # fmt: skip
                 tl.store(counter, 0)  # every ticket is taken: ready for the next launch
-
-
-@triton.jit
-def combine_group(
-    part_out_ptr, part_lse_ptr, row0, num_splits, num_used, out_ptr, stride_oh,
-    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, FIX_BF16: tl.constexpr,
-):  # fmt: skip
-    """Combine the partials of the first num_used splits of GROUP query heads (scratch rows
-    row0 + g * num_splits + s) into their outputs (out_ptr: the group's first head): weights
-    exp2(lse - max lse), in one pass over chunks of BLOCK_S splits, the running max rescaling
-    the sums as in the online softmax. With no split used (seq_len 0) the output is zeros.
-    The partials are other programs' stores: loaded through L2 (.cg), never from a possibly
-    stale L1 line."""
-    offs_g = tl.arange(0, GROUP_P2)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
-    rows_g = row0 + offs_g * num_splits  # (GROUP_P2,)
-    m = tl.full([GROUP_P2], float("-inf"), tl.float32)
-    weight_sum = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
-    for s0 in range(0, num_used, BLOCK_S):
-        s = s0 + offs_s
-        mask = g_mask[:, None] & (s < num_used)[None, :]  # (GROUP_P2, BLOCK_S)
-        rows = rows_g[:, None] + s[None, :]
-        lse = tl.load(part_lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_out_ptr + rows[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=mask[:, :, None],
-                    other=0.0, cache_modifier=".cg")  # (GROUP_P2, BLOCK_S, BLOCK_D)  # fmt: skip
-        m_new = tl.maximum(m, tl.max(lse, 1))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows (g >= GROUP)
-        alpha = tl.exp2(m - shift)
-        w = tl.exp2(lse - shift[:, None])
-        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
-        weight_sum = weight_sum * alpha + tl.sum(w, 1)
-        m = m_new
-    out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
-    tl.store(out_ptr + offs_g[:, None] * stride_oh + offs_d[None, :], round_to(out, out_ptr.dtype.element_ty, FIX_BF16),
-             mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])  # fmt: skip
 
 
 # Arrival counters of the split kernel, one zeroed int32 per (sequence, KV head), per device.
@@ -383,6 +342,7 @@ def decode_with_config(
     # The lanes that share one token's row (16 bytes each) and the tokens a warp reads side by side.
     lanes_r = min(config.block_n, max(1, 32 // max(1, block_d * k_cache.element_size() // 16))) if config.lanes else 0
     assert not config.lanes or (group <= 2 and config.num_warps == 1), "the lanes loop: 1-2 query rows, one warp"
+    assert not (config.lanes and config.early), "the first tile before the wait: the tensor-core loop only"
     direct = num_splits == 1
     if direct:
         part_out = part_lse = out  # unused
@@ -411,7 +371,7 @@ def decode_with_config(
         DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
         SPLIT_P=config.split_p and split_p(q.dtype, k_cache.dtype),
         FIX_BF16=fix_bf16_rounding(q.dtype), GROUP_P2=group_p2, BLOCK_S=block_s,
-        **pdl_launch(q.device), WINDOWED=window > 0, LANES_R=lanes_r,
+        **pdl_launch(q.device), WINDOWED=window > 0, LANES_R=lanes_r, EARLY=config.early,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -1,6 +1,6 @@
 """The decode loop on the CUDA cores, for one or two query rows over an FP8 cache.
 
-`attend_pages_lanes` has the contract of `pico_kernels.triton_decode.attend_pages` (the
+`attend_pages_lanes` has the contract of `pico_kernels.triton_decode_tiles.attend_pages` (the
 unnormalised accumulator, running max and sum of the query rows over [start, end) of one KV
 head, log2 units); `triton_decode.default_decode_config` says when the decode kernel takes it.
 """
