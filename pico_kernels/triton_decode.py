@@ -168,6 +168,97 @@ def _attend(
         )  # fmt: skip
 
 
+@triton.jit
+def _first_tile(
+    table, k_head, v_head, start, end, seq_len, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D_MASK: tl.constexpr,
+):  # fmt: skip
+    """EARLY, before the wait: the first tile's tokens, their K and V row pointers, and their
+    keys and values but the step's own (position seq_len - 1, zeros here)."""
+    tok = start + tl.arange(0, BLOCK_N)
+    t_mask = tok < end
+    block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
+    k_rows = k_head + (block * stride_kb + (tok % PAGE) * stride_ks)[:, None] + offs_d[None, :]
+    v_rows = v_head + (block * stride_vb + (tok % PAGE) * stride_vs)[:, None] + offs_d[None, :]
+    old = tok < tl.minimum(end, seq_len - 1)
+    return (
+        tok,
+        t_mask,
+        k_rows,
+        v_rows,
+        load_rows(k_rows, old, d_mask, True, D_MASK),
+        load_rows(v_rows, old, d_mask, True, D_MASK),
+    )
+
+
+@triton.jit
+def _attend_early(
+    q, tok, t_mask, k_rows, v_rows, k, v, seq_len, table, k_head, v_head, start, end,
+    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, d_mask,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, SPLIT_P: tl.constexpr, D_MASK: tl.constexpr,
+):  # fmt: skip
+    """EARLY, after the wait: the step's key and value (stored by the kernel ahead) into the
+    first tile from _first_tile, the tile, then the split's other tiles (attend_pages' state)."""
+    new = t_mask & (tok == seq_len - 1)
+    k = tl.where(new[:, None], load_rows(k_rows, new, d_mask, True, D_MASK), k)
+    v = tl.where(new[:, None], load_rows(v_rows, new, d_mask, True, D_MASK), v)
+    q = query_operand(q, k_head.dtype.element_ty)
+    acc, m_i, l_i = empty_state(q.shape[0], q.shape[1])
+    if start < end:
+        acc, m_i, l_i = attend_tile(q, k.to(q.dtype), v.to(q.dtype), t_mask, acc, m_i, l_i, scale_log2,
+                                    PRECISION, UPCAST, SPLIT_P)  # fmt: skip
+    return attend_span(
+        q, table, k_head, v_head, start + BLOCK_N, end, acc, m_i, l_i, stride_kb, stride_ks, stride_vb, stride_vs,
+        scale_log2, BLOCK_N, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_partial(
+    acc, m_i, l_i, part_out_ptr, part_lse_ptr, counter_ptr, out_ptr, stride_oh, ctx_len, chunk, num_splits,
+    split, kv_head, seq, q_heads, g_mask,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+):  # fmt: skip
+    """Several splits: the split's normalised partial and log-sum-exp to scratch, then a ticket;
+    the last to arrive of its (sequence, KV head) combines them into the output (out_ptr: the
+    sequence's row)."""
+    BLOCK_D: tl.constexpr = acc.shape[1]
+    offs_d = tl.arange(0, BLOCK_D)
+    num_q_heads = tl.num_programs(1) * GROUP
+    # Only the first num_used splits hold keys (fewer than num_splits when the sequence is
+    # shorter than the longest; none when seq_len is 0): the others store no partials, and
+    # the combine reads only these.
+    num_used = tl.cdiv(ctx_len, tl.maximum(chunk, 1))
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l = 0 only in unused splits
+    out = acc / l_safe[:, None]
+    lse = m_i + tl.log2(l_safe)
+    row = (seq.to(tl.int64) * num_q_heads + q_heads) * num_splits + split  # (GROUP_PAD,)
+    used = mask_and(g_mask, split < num_used)
+    tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=used[:, None])
+    tl.store(part_lse_ptr + row, lse, mask=used)
+
+    # Every thread's partial stores complete before the barrier; one thread then takes a
+    # ticket with a gpu-scope acq_rel atomic, which releases them to the program that
+    # arrives last and, in that program, acquires everyone else's (each ticket is both).
+    # Only the splits that hold keys take one (split 0 alone for seq_len 0, to write the
+    # zeros): an empty split (a sequence shorter than the graph's width allows) just ends.
+    arrivals = tl.maximum(num_used, 1)
+    if split < arrivals:
+        tl.debug_barrier()
+        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == arrivals - 1:
+            combine_group(
+                part_out_ptr, part_lse_ptr,
+                (seq.to(tl.int64) * num_q_heads + kv_head * GROUP) * num_splits, num_splits, num_used,
+                out_ptr + (kv_head * GROUP).to(tl.int64) * stride_oh, stride_oh,
+                GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_S, FIX_BF16,
+            )  # fmt: skip
+            tl.store(counter, 0)  # every ticket is taken: ready for the next launch
+
+
 @triton.jit(do_not_specialize=["num_splits", "window", "stride_bt"])  # eager batches have a per-step table width
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
@@ -187,7 +278,6 @@ def _decode_split_kernel(
     step input) and, with EARLY (DecodeConfig.early), the first tile's table entries and keys
     and values but the step's own (position seq_len - 1), which is loaded after the wait."""
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_q_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_start = tl.maximum(seq_len - window, 0) if WINDOWED else 0  # the first key the query sees
@@ -201,39 +291,26 @@ def _decode_split_kernel(
     q_heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
+    D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
     if EARLY:
-        D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
-        tok = start + tl.arange(0, BLOCK_N)
-        t_mask = tok < end
-        block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-        k_rows = k_head + (block * stride_kb + (tok % PAGE) * stride_ks)[:, None] + offs_d[None, :]
-        v_rows = v_head + (block * stride_vb + (tok % PAGE) * stride_vs)[:, None] + offs_d[None, :]
-        old = tok < tl.minimum(end, seq_len - 1)
-        k = load_rows(k_rows, old, d_mask, True, D_MASK)
-        v = load_rows(v_rows, old, d_mask, True, D_MASK)
+        tok, t_mask, k_rows, v_rows, k, v = _first_tile(
+            table, k_head, v_head, start, end, seq_len, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask,
+            BLOCK_N, PAGE, D_MASK,
+        )  # fmt: skip
     pdl_prologue(PDL)
 
     q = tl.load(
         q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
     )  # (GROUP_PAD, BLOCK_D)  # fmt: skip
-
     if EARLY:
-        new = t_mask & (tok == seq_len - 1)  # the step's key and value, stored by the kernel ahead
-        k = tl.where(new[:, None], load_rows(k_rows, new, d_mask, True, D_MASK), k)
-        v = tl.where(new[:, None], load_rows(v_rows, new, d_mask, True, D_MASK), v)
-        q = query_operand(q, k_cache_ptr.dtype.element_ty)
-        acc, m_i, l_i = empty_state(GROUP_PAD, BLOCK_D)
-        if start < end:
-            acc, m_i, l_i = attend_tile(
-                q, k.to(q.dtype), v.to(q.dtype), t_mask, acc, m_i, l_i, scale_log2, PRECISION, UPCAST, SPLIT_P
-            )
-        acc, m_i, l_i = attend_span(
-            q, table, k_head, v_head, start + BLOCK_N, end, acc, m_i, l_i, stride_kb, stride_ks, stride_vb, stride_vs,
-            scale_log2, BLOCK_N, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
+        acc, m_i, l_i = _attend_early(
+            q, tok, t_mask, k_rows, v_rows, k, v, seq_len, table, k_head, v_head, start, end,
+            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, d_mask,
+            BLOCK_N, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P, D_MASK,
         )  # fmt: skip
     else:
         acc, m_i, l_i = _attend(
@@ -241,43 +318,16 @@ def _decode_split_kernel(
             BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P, LANES_R,
         )  # fmt: skip
 
+    out_row = out_ptr + seq.to(tl.int64) * stride_ob
     if DIRECT:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # seq_len 0 (padding rows): zeros
-        tl.store(
-            out_ptr + seq.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
-            round_to(out, out_ptr.dtype.element_ty, FIX_BF16), mask=g_mask[:, None] & d_mask[None, :],
-        )  # fmt: skip
+        tl.store(out_row + q_heads[:, None] * stride_oh + offs_d[None, :],
+                 round_to(out, out_ptr.dtype.element_ty, FIX_BF16), mask=g_mask[:, None] & d_mask[None, :])  # fmt: skip
     else:
-        # Only the first num_used splits hold keys (fewer than num_splits when the sequence is
-        # shorter than the longest; none when seq_len is 0): the others store no partials, and
-        # the combine reads only these.
-        num_used = tl.cdiv(ctx_len, tl.maximum(chunk, 1))
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l = 0 only in unused splits
-        out = acc / l_safe[:, None]
-        lse = m_i + tl.log2(l_safe)
-        row = (seq.to(tl.int64) * num_q_heads + q_heads) * num_splits + split  # (GROUP_PAD,)
-        used = mask_and(g_mask, split < num_used)
-        tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=used[:, None])
-        tl.store(part_lse_ptr + row, lse, mask=used)
-
-        # Every thread's partial stores complete before the barrier; one thread then takes a
-        # ticket with a gpu-scope acq_rel atomic, which releases them to the program that
-        # arrives last and, in that program, acquires everyone else's (each ticket is both).
-        # Only the splits that hold keys take one (split 0 alone for seq_len 0, to write the
-        # zeros): an empty split (a sequence shorter than the graph's width allows) just ends.
-        arrivals = tl.maximum(num_used, 1)
-        if split < arrivals:
-            tl.debug_barrier()
-            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == arrivals - 1:
-                combine_group(
-                    part_out_ptr, part_lse_ptr,
-                    (seq.to(tl.int64) * num_q_heads + kv_head * GROUP) * num_splits, num_splits, num_used,
-                    out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP).to(tl.int64) * stride_oh, stride_oh,
-                    GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_S, FIX_BF16,
-                )  # fmt: skip
-                tl.store(counter, 0)  # every ticket is taken: ready for the next launch
+        _store_partial(
+            acc, m_i, l_i, part_out_ptr, part_lse_ptr, counter_ptr, out_row, stride_oh, ctx_len, chunk, num_splits,
+            split, kv_head, seq, q_heads, g_mask, GROUP, GROUP_P2, HEAD_DIM, BLOCK_S, FIX_BF16,
+        )  # fmt: skip
 
 
 # Arrival counters of the split kernel, one zeroed int32 per (sequence, KV head), per device.
