@@ -44,7 +44,7 @@ from pico_kernels.triton_common import (
     use_pdl,
 )
 from pico_kernels.triton_decode_lanes import attend_pages_lanes
-from pico_kernels.triton_decode_tiles import attend_pages, attend_span, attend_tile, combine_group, empty_state
+from pico_kernels.triton_decode_tiles import attend_pages, attend_span, attend_tile, combine_group, empty_state, kv_rows
 
 # Heuristic constants of pick_num_splits (see its docstring).
 PROGRAMS_PER_SM = 2
@@ -177,9 +177,9 @@ def _first_tile(
     keys and values but the step's own (position seq_len - 1, zeros here)."""
     tok = start + tl.arange(0, BLOCK_N)
     t_mask = tok < end
-    block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-    k_rows = k_head + (block * stride_kb + (tok % PAGE) * stride_ks)[:, None] + offs_d[None, :]
-    v_rows = v_head + (block * stride_vb + (tok % PAGE) * stride_vs)[:, None] + offs_d[None, :]
+    k_rows, v_rows = kv_rows(
+        table, k_head, v_head, tok, t_mask, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, PAGE
+    )
     old = tok < tl.minimum(end, seq_len - 1)
     return (
         tok,

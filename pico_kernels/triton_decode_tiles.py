@@ -24,6 +24,16 @@ def empty_state(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def kv_rows(table, k_head, v_head, tok, t_mask, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, PAGE: tl.constexpr):
+    """The K and V row pointers (BLOCK_N, BLOCK_D) of the tokens tok of one KV head, through the
+    block table's entries (masked tokens read entry 0)."""
+    block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
+    slot = tok % PAGE
+    k = k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
+    return k, v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
+
+
+@triton.jit
 def attend_tile(
     q, k, v, t_mask, acc, m_i, l_i, scale_log2,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
@@ -55,12 +65,10 @@ def attend_span(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         t_mask = tok < end
-        block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-        slot = tok % PAGE
-        k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # (BLOCK_N, BLOCK_D)  # fmt: skip
-        v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # fmt: skip
+        k_rows, v_rows = kv_rows(table, k_head, v_head, tok, t_mask, stride_kb, stride_ks, stride_vb, stride_vs,
+                                 offs_d, PAGE)  # fmt: skip
+        k = load_rows(k_rows, t_mask, d_mask, True, D_MASK).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+        v = load_rows(v_rows, t_mask, d_mask, True, D_MASK).to(q.dtype)
         acc, m_i, l_i = attend_tile(q, k, v, t_mask, acc, m_i, l_i, scale_log2, PRECISION, UPCAST, SPLIT_P)
     return acc, m_i, l_i
 
