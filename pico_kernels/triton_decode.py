@@ -12,9 +12,7 @@ next launch (so the counters live across launches and CUDA graph replays; see
 last `window` tokens only: the splits cut that, and no earlier table entry is read.
 
 Contract: `paged_decode_attention` has the signature and semantics of
-`pico_kernels.reference.paged_decode_attention_ref`. Under programmatic dependent launch the
-kernel launched just ahead may have written each sequence's last key and value (the step's
-store), and no other: DecodeConfig.early reads the older ones before its wait.
+`pico_kernels.reference.paged_decode_attention_ref`.
 """
 
 from __future__ import annotations
@@ -31,20 +29,18 @@ from pico_kernels.triton_common import (
     dot_precision,
     fix_bf16_rounding,
     interpreting,
-    load_rows,
     mask_and,
     next_pow2,
     num_sms,
     pdl_launch,
     pdl_prologue,
-    query_operand,
     round_to,
     split_p,
     upcast_dot,
     use_pdl,
 )
 from pico_kernels.triton_decode_lanes import attend_pages_lanes
-from pico_kernels.triton_decode_tiles import attend_pages, attend_span, attend_tile, combine_group, empty_state, kv_rows
+from pico_kernels.triton_decode_tiles import attend_pages, combine_group
 
 # Heuristic constants of pick_num_splits (see its docstring).
 PROGRAMS_PER_SM = 2
@@ -59,10 +55,6 @@ class DecodeConfig:
     split_p: bool = True  # bf16: P @ V with P as two bf16 terms (pico_kernels.triton_common.mma_pv)
     programs_per_sm: float = PROGRAMS_PER_SM  # the launch pick_num_splits aims at
     lanes: bool = False  # attend_pages_lanes (CUDA-core products; one warp a program)
-    # The first tile's keys but the last loaded before the PDL wait: the kernel ahead (the
-    # step's K/V store) writes only each sequence's last key (tensor-core loop only). Not a
-    # default yet: built for the batch-1 config and to be timed in it (bench/NOTES.md).
-    early: bool = False
 
 
 # The lanes loop's config (DecodeConfig.lanes): 16-token tiles, one warp, 16 programs an SM.
@@ -169,52 +161,6 @@ def _attend(
 
 
 @triton.jit
-def _first_tile(
-    table, k_head, v_head, start, end, seq_len, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D_MASK: tl.constexpr,
-):  # fmt: skip
-    """EARLY, before the wait: the first tile's tokens, their K and V row pointers, and their
-    keys and values but the step's own (position seq_len - 1, zeros here)."""
-    tok = start + tl.arange(0, BLOCK_N)
-    t_mask = tok < end
-    k_rows, v_rows = kv_rows(
-        table, k_head, v_head, tok, t_mask, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, PAGE
-    )
-    old = tok < tl.minimum(end, seq_len - 1)
-    return (
-        tok,
-        t_mask,
-        k_rows,
-        v_rows,
-        load_rows(k_rows, old, d_mask, True, D_MASK),
-        load_rows(v_rows, old, d_mask, True, D_MASK),
-    )
-
-
-@triton.jit
-def _attend_early(
-    q, tok, t_mask, k_rows, v_rows, k, v, seq_len, table, k_head, v_head, start, end,
-    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, d_mask,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, SPLIT_P: tl.constexpr, D_MASK: tl.constexpr,
-):  # fmt: skip
-    """EARLY, after the wait: the step's key and value (stored by the kernel ahead) into the
-    first tile from _first_tile, the tile, then the split's other tiles (attend_pages' state)."""
-    new = t_mask & (tok == seq_len - 1)
-    k = tl.where(new[:, None], load_rows(k_rows, new, d_mask, True, D_MASK), k)
-    v = tl.where(new[:, None], load_rows(v_rows, new, d_mask, True, D_MASK), v)
-    q = query_operand(q, k_head.dtype.element_ty)
-    acc, m_i, l_i = empty_state(q.shape[0], q.shape[1])
-    if start < end:
-        acc, m_i, l_i = attend_tile(q, k.to(q.dtype), v.to(q.dtype), t_mask, acc, m_i, l_i, scale_log2,
-                                    PRECISION, UPCAST, SPLIT_P)  # fmt: skip
-    return attend_span(
-        q, table, k_head, v_head, start + BLOCK_N, end, acc, m_i, l_i, stride_kb, stride_ks, stride_vb, stride_vs,
-        scale_log2, BLOCK_N, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
-    )  # fmt: skip
-
-
-@triton.jit
 def _store_partial(
     acc, m_i, l_i, part_out_ptr, part_lse_ptr, counter_ptr, out_ptr, stride_oh, ctx_len, chunk, num_splits,
     split, kv_head, seq, q_heads, g_mask,
@@ -272,11 +218,10 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
     FIX_BF16: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr, WINDOWED: tl.constexpr, LANES_R: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr, WINDOWED: tl.constexpr, LANES_R: tl.constexpr,
 ):  # fmt: skip
     """Before `pdl_prologue`, what the kernel ahead does not write: the sequence's length (a
-    step input) and, with EARLY (DecodeConfig.early), the first tile's table entries and keys
-    and values but the step's own (position seq_len - 1), which is loaded after the wait."""
+    step input)."""
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -291,32 +236,19 @@ def _decode_split_kernel(
     q_heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-    if EARLY:
-        tok, t_mask, k_rows, v_rows, k, v = _first_tile(
-            table, k_head, v_head, start, end, seq_len, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask,
-            BLOCK_N, PAGE, D_MASK,
-        )  # fmt: skip
     pdl_prologue(PDL)
 
     q = tl.load(
         q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
     )  # (GROUP_PAD, BLOCK_D)  # fmt: skip
-    if EARLY:
-        acc, m_i, l_i = _attend_early(
-            q, tok, t_mask, k_rows, v_rows, k, v, seq_len, table, k_head, v_head, start, end,
-            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, d_mask,
-            BLOCK_N, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P, D_MASK,
-        )  # fmt: skip
-    else:
-        acc, m_i, l_i = _attend(
-            q, table, k_head, v_head, start, end, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-            BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P, LANES_R,
-        )  # fmt: skip
+    acc, m_i, l_i = _attend(
+        q, table, k_head, v_head, start, end, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+        BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P, LANES_R,
+    )  # fmt: skip
 
     out_row = out_ptr + seq.to(tl.int64) * stride_ob
     if DIRECT:
@@ -392,7 +324,6 @@ def decode_with_config(
     # The lanes that share one token's row (16 bytes each) and the tokens a warp reads side by side.
     lanes_r = min(config.block_n, max(1, 32 // max(1, block_d * k_cache.element_size() // 16))) if config.lanes else 0
     assert not config.lanes or (group <= 2 and config.num_warps == 1), "the lanes loop: 1-2 query rows, one warp"
-    assert not (config.lanes and config.early), "the first tile before the wait: the tensor-core loop only"
     direct = num_splits == 1
     if direct:
         part_out = part_lse = out  # unused
@@ -421,7 +352,7 @@ def decode_with_config(
         DIRECT=direct, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
         SPLIT_P=config.split_p and split_p(q.dtype, k_cache.dtype),
         FIX_BF16=fix_bf16_rounding(q.dtype), GROUP_P2=group_p2, BLOCK_S=block_s,
-        **pdl_launch(q.device), WINDOWED=window > 0, LANES_R=lanes_r, EARLY=config.early,
+        **pdl_launch(q.device), WINDOWED=window > 0, LANES_R=lanes_r,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -2,10 +2,9 @@
 device functions that the decode kernel (pico_kernels.triton_decode) and both cascade kernels
 (pico_kernels.triton_cascade_kernels) share.
 
-The loop is an online softmax over a block table's tokens, a tile at a time (attend_pages;
-attend_span from a given state, attend_tile for one tile already loaded, which is how the
-decode kernel at one sequence takes its first tile before its PDL wait). combine_group merges
-the normalised partials of a KV head's splits by their log-sum-exps.
+The loop is an online softmax over a block table's tokens, a tile at a time (attend_pages:
+attend_span from the empty state, one attend_tile a tile). combine_group merges the
+normalised partials of a KV head's splits by their log-sum-exps.
 """
 
 from __future__ import annotations
