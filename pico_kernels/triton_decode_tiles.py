@@ -2,9 +2,8 @@
 device functions that the decode kernel (pico_kernels.triton_decode) and both cascade kernels
 (pico_kernels.triton_cascade_kernels) share.
 
-The loop is an online softmax over a block table's tokens, a tile at a time (attend_pages:
-attend_span from the empty state, one attend_tile a tile). combine_group merges the
-normalised partials of a KV head's splits by their log-sum-exps.
+The loop is an online softmax over a block table's tokens, a tile at a time (attend_pages).
+combine_group merges the normalised partials of a KV head's splits by their log-sum-exps.
 """
 
 from __future__ import annotations
@@ -16,63 +15,6 @@ from pico_kernels.triton_common import load_rows, mma, mma_pv, query_operand, ro
 
 
 @triton.jit
-def empty_state(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The online softmax before any key: (acc, running max, sum) of ROWS query rows."""
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    return acc, tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32)
-
-
-@triton.jit
-def kv_rows(table, k_head, v_head, tok, t_mask, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, PAGE: tl.constexpr):
-    """The K and V row pointers (BLOCK_N, BLOCK_D) of the tokens tok of one KV head, through the
-    block table's entries (masked tokens read entry 0)."""
-    block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-    slot = tok % PAGE
-    k = k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
-    return k, v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
-
-
-@triton.jit
-def attend_tile(
-    q, k, v, t_mask, acc, m_i, l_i, scale_log2,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax step of the query rows q (as query_operand gives them) over a K/V
-    tile pair in q's dtype (BLOCK_N, BLOCK_D), whose tokens t_mask holds; the new state."""
-    qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (ROWS, BLOCK_N)
-    qk = tl.where(t_mask[None, :], qk, float("-inf"))
-    p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-    return acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P), m_i, l_i
-
-
-@triton.jit
-def attend_span(
-    q, table, k_head, v_head, start, end, acc, m_i, l_i,
-    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
-):  # fmt: skip
-    """The online softmax of the query rows q (as query_operand gives them) from the state
-    (acc, m_i, l_i) over the tokens [start, end) of one KV head, read through a block table
-    (`table`: the row of page ids; `k_head`/`v_head`: the caches offset to the head), a tile
-    of BLOCK_N at a time. Returns the new state."""
-    BLOCK_D: tl.constexpr = acc.shape[1]
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
-    d_mask = offs_d < HEAD_DIM
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + offs_n
-        t_mask = tok < end
-        k_rows, v_rows = kv_rows(table, k_head, v_head, tok, t_mask, stride_kb, stride_ks, stride_vb, stride_vs,
-                                 offs_d, PAGE)  # fmt: skip
-        k = load_rows(k_rows, t_mask, d_mask, True, D_MASK).to(q.dtype)  # (BLOCK_N, BLOCK_D)
-        v = load_rows(v_rows, t_mask, d_mask, True, D_MASK).to(q.dtype)
-        acc, m_i, l_i = attend_tile(q, k, v, t_mask, acc, m_i, l_i, scale_log2, PRECISION, UPCAST, SPLIT_P)
-    return acc, m_i, l_i
-
-
-@triton.jit
 def attend_pages(
     q, table, k_head, v_head, start, end,
     stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
@@ -80,13 +22,31 @@ def attend_pages(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the query rows `q` (ROWS, BLOCK_D) over the tokens [start, end) of one
-    KV head (attend_span from the empty state). Returns the unnormalised (acc, running max,
-    sum), log2 scale. The loop of the decode kernel and of both cascade kernels."""
-    acc, m_i, l_i = empty_state(ROWS, BLOCK_D)
-    return attend_span(
-        query_operand(q, k_head.dtype.element_ty), table, k_head, v_head, start, end, acc, m_i, l_i,
-        stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, BLOCK_N, HEAD_DIM, PAGE, PRECISION, UPCAST, SPLIT_P,
-    )  # fmt: skip
+    KV head, read through a block table (`table`: the row of page ids; `k_head`/`v_head`: the
+    caches offset to the head), a tile of BLOCK_N at a time. Returns the unnormalised (acc,
+    running max, sum), log2 scale. The loop of the decode kernel and of both cascade kernels."""
+    q = query_operand(q, k_head.dtype.element_ty)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    D_MASK: tl.constexpr = BLOCK_D != HEAD_DIM
+    d_mask = offs_d < HEAD_DIM
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        t_mask = tok < end
+        block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
+        slot = tok % PAGE
+        k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # (BLOCK_N, BLOCK_D)  # fmt: skip
+        v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # fmt: skip
+        qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (ROWS, BLOCK_N)
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
+        acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
+    return acc, m_i, l_i
 
 
 @triton.jit
