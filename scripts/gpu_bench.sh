@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU results of bench/results/ in parts that each fit one ten-minute run.
-# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|h|k|s|u|r|t|v|all]
+# Usage: bash scripts/gpu_bench.sh OUTDIR [a|b|c|d|p|q|f|g|w|h|k|s|u|r|t|v|all]
 #   a: GPU tests and numerics, greedy parity (bf16 Qwen3-0.6B shape), per-phase device times
 #      (B=1 and B=256), host profile of the engine step
 #   b: headline throughput embedded + service mode (with the parity check), batch-1 latency,
@@ -12,6 +12,8 @@
 #   f: a session's headline figures: GPU tests, embedded (pipeline depth 2, and 1 for
 #      comparison), service mode (pipelined, with the parity check)
 #   g: batch-1 latency, swap vs recompute, prefix caching
+#   w: prefill attention at 4k with 0 and 3k cached (the quick tables), start-up to first
+#      token with an empty and a warm Triton cache
 #   h: GPU tests and the headline (embedded, workload warm-up)
 #   k: KV-cache groups: a hybrid sliding-window model vs all-full at 8k-32k contexts, and n=8
 #      parallel sampling
@@ -81,6 +83,10 @@ if has g; then  # the rest of a session's figures: batch-1 latency, swap, prefix
   run latency 70 python bench/latency.py --out "$out/latency_h200.md"
   run swap 90 python bench/swap.py --out "$out/swap_h200.md"
   run prefix 120 python bench/prefix.py --out "$out/prefix_h200.md"
+fi
+if has w; then  # prefill attention's quick tables, LLM() start-up cold and warm
+  run prefill-attention 150 python bench/attention.py --quick --no-flex --out "$out/kernels_prefill_h200.md"
+  run startup 240 python bench/startup.py --model qwen3-0.6b --warm-runs 2 --out "$out/startup_h200.md"
 fi
 if has u; then  # the user path first, as bench/throughput.py reports it; detokenization on the host
   run throughput-user-path 420 python bench/throughput.py --user-path-tokenizers qwen2,none,bytes --out "$out/throughput_user_path_h200.md"
