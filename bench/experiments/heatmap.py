@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.experiments.common import build_engine, make_workload, model_label
+from bench.experiments.common import model_label
 
 
 def matrix(trace) -> np.ndarray:
@@ -52,19 +52,10 @@ def run(
 ) -> dict:
     """Writes heatmap.json and heatmap.png; reuses `trace` from the memory run when given."""
     from bench.experiments import plots
-    from bench.experiments.memory import record_run
+    from bench.experiments.memory import traced_run
 
     if trace is None:
-        engine = build_engine(
-            None,
-            device,
-            num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=4 * num_gpu_blocks,
-            max_num_seqs=256,
-            max_num_batched_tokens=2048,
-        )
-        prompts, output_lens = make_workload(num_requests, engine.max_model_len, engine.model_config.vocab_size, seed)
-        trace = record_run(engine, prompts, output_lens)
+        trace, _, _ = traced_run(num_requests, num_gpu_blocks, seed, device)
     result = {
         "experiment": "heatmap",
         "model": model_label(None),

@@ -125,6 +125,21 @@ def record_run(engine, prompts: list[list[int]], output_lens: list[int]) -> Trac
     return trace
 
 
+def traced_run(num_requests: int, num_gpu_blocks: int, seed: int, device: str) -> tuple[Trace, list[int], list[int]]:
+    """The long-tailed workload through one instrumented engine on the bundled model, with a
+    host tier four times the device's: the trace, the prompt lengths, the output lengths."""
+    engine = build_engine(
+        None,
+        device,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=4 * num_gpu_blocks,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+    )
+    prompts, output_lens = make_workload(num_requests, engine.max_model_len, engine.model_config.vocab_size, seed)
+    return record_run(engine, prompts, output_lens), [len(p) for p in prompts], output_lens
+
+
 def simulate_contiguous(prompt_lens: list[int], output_lens: list[int], slots: int) -> int:
     """Steps to finish the trace when at most `slots` requests are resident (FCFS), each
     taking one step of prefill and one step per further output token."""
@@ -220,23 +235,14 @@ def run(
     """The memory experiment on the bundled model (the CPU); writes memory.json and memory.png."""
     from bench.experiments import plots
 
-    engine = build_engine(
-        None,
-        device,
-        num_gpu_blocks=num_gpu_blocks,
-        num_cpu_blocks=4 * num_gpu_blocks,
-        max_num_seqs=256,
-        max_num_batched_tokens=2048,
-    )
-    prompts, output_lens = make_workload(num_requests, engine.max_model_len, engine.model_config.vocab_size, seed)
-    trace = record_run(engine, prompts, output_lens)
+    trace, prompt_lens, output_lens = traced_run(num_requests, num_gpu_blocks, seed, device)
     result = {
         "experiment": "memory",
         "model": model_label(None),
         "device": device,
         "seed": seed,
         "environment": env or {},
-        **analyze(trace, [len(p) for p in prompts], output_lens),
+        **analyze(trace, prompt_lens, output_lens),
     }
     plots.write_json(out_dir, "memory", result)
     plots.plot_memory(result, out_dir)
