@@ -258,6 +258,18 @@ def mma_pv(p, v, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.cons
 
 
 @triton.jit
+def page_slots(table, tok, t_mask, PAGE: tl.constexpr, ROW_MASK: tl.constexpr):
+    """The cache page (int64) and slot of one sequence's tokens `tok`, found through its block
+    table (`table`: the sequence's row of page ids); a token's K/V row is page x the page stride
+    + slot x the token stride. With ROW_MASK, tokens outside t_mask read no table entry (page 0)."""
+    if ROW_MASK:
+        page = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
+    else:
+        page = tl.load(table + tok // PAGE).to(tl.int64)
+    return page, tok % PAGE
+
+
+@triton.jit
 def load_rows(ptrs, row_mask, d_mask, ROW_MASK: tl.constexpr, D_MASK: tl.constexpr):
     """Load a (rows, BLOCK_D) tile, masking only what needs it: a mask along the head dim
     exists only when head_dim is not a power of two >= 16, so full rows keep 16-byte loads."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pico_kernels.triton_common import page_slots
+
 
 @triton.jit
 def lanes_row(q_row, k, v, t_mask, m_i, l_i, acc, LANES_R: tl.constexpr):
@@ -53,11 +55,10 @@ def attend_pages_lanes(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         t_mask = tok < end
-        block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-        slot = tok % PAGE
+        page, slot = page_slots(table, tok, t_mask, PAGE, True)
         mask = t_mask[:, None] & d_mask
-        k_rows = (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
-        v_rows = (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
+        k_rows = (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
+        v_rows = (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
         k = tl.load(k_head + k_rows, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_D)
         v = tl.load(v_head + v_rows, mask=mask, other=0.0).to(tl.float32)
         m0, l0, acc0 = lanes_row(q0, k, v, t_mask, m0, l0, acc0, LANES_R)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pico_kernels.triton_common import load_rows, mma, mma_pv, query_operand, round_to, softmax_step
+from pico_kernels.triton_common import load_rows, mma, mma_pv, page_slots, query_operand, round_to, softmax_step
 
 
 @triton.jit
@@ -36,11 +36,10 @@ def attend_pages(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         t_mask = tok < end
-        block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-        slot = tok % PAGE
-        k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+        page, slot = page_slots(table, tok, t_mask, PAGE, True)
+        k = load_rows(k_head + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
                       t_mask, d_mask, True, D_MASK).to(q.dtype)  # (BLOCK_N, BLOCK_D)  # fmt: skip
-        v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+        v = load_rows(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
                       t_mask, d_mask, True, D_MASK).to(q.dtype)  # fmt: skip
         qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (ROWS, BLOCK_N)
         qk = tl.where(t_mask[None, :], qk, float("-inf"))

@@ -42,6 +42,7 @@ from pico_kernels.triton_common import (
     mma,
     mma_pv,
     next_pow2,
+    page_slots,
     query_operand,
     round_to,
     softmax_step,
@@ -105,9 +106,8 @@ def _masked_tiles(
     for n0 in range(kv_start, kv_end, BLOCK_N):
         tok = n0 + offs_n
         t_mask = tok < kv_end
-        block = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-        slot = tok % PAGE
-        k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+        page, slot = page_slots(table, tok, t_mask, PAGE, True)
+        k = load_rows(k_head + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
                       t_mask, d_mask, True, D_MASK).to(q.dtype)  # fmt: skip
         qk = mma(q, tl.trans(k), PRECISION, UPCAST)
         visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
@@ -118,7 +118,7 @@ def _masked_tiles(
         else:
             qk = tl.where(visible, qk, float("-inf"))
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-        v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+        v = load_rows(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
                       t_mask, d_mask, True, D_MASK).to(q.dtype)  # fmt: skip
         acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
     return acc, m_i, l_i
@@ -207,13 +207,12 @@ def _prefill_kernel(
         # Phase 1: key tiles below the diagonal, no mask.
         for n0 in range(full_start, full_end, BLOCK_N):
             tok = n0 + offs_n
-            block = tl.load(table + tok // PAGE).to(tl.int64)
-            slot = tok % PAGE
-            k = load_rows(k_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+            page, slot = page_slots(table, tok, None, PAGE, False)
+            k = load_rows(k_head + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
                           offs_n, d_mask, False, D_MASK).to(q.dtype)  # (BLOCK_N, BLOCK_D)  # fmt: skip
             qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-            v = load_rows(v_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+            v = load_rows(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
                           offs_n, d_mask, False, D_MASK).to(q.dtype)  # fmt: skip
             acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
 
