@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import json
@@ -269,6 +270,16 @@ def make_llm(
         model=path, device=device, skip_tokenizer_init=True, enforce_eager=enforce_eager, **engine_kwargs
     )
     return LLM.from_engine(LLMEngine(config, model=runner)), runner
+
+
+def add_overlap_flag(ap: argparse.ArgumentParser) -> None:
+    """--overlap / --no-overlap: the engine's async_scheduling, None (the engine's default) unless given."""
+    ap.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)",
+    )
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import device_sync, environment, make_llm, percentile, write_result  # noqa: E402
+from bench.common import add_overlap_flag, device_sync, environment, make_llm, percentile, write_result  # noqa: E402
 from bench.throughput import RunCounters  # noqa: E402
 from contracts import phase_times  # noqa: E402
 
@@ -191,12 +191,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument(
-        "--overlap",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)",
-    )
+    add_overlap_flag(ap)
     ap.add_argument(
         "--repeats",
         type=int,

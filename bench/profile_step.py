@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import add_overlap_flag  # noqa: E402
 from bench.throughput import make_workload, run_embedded  # noqa: E402
 
 
@@ -33,12 +34,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument(
-        "--overlap",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)",
-    )
+    add_overlap_flag(ap)
     ap.add_argument("--top", type=int, default=35)
     args = ap.parse_args()
     prompts, params = make_workload(args.num_seqs, args.max_len, args.max_len)

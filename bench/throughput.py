@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
     RunCounters,
+    add_overlap_flag,
     copy_bandwidth,
     device_sync,
     environment,
@@ -237,12 +238,7 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="service mode: pipeline the model steps, two ahead (default: the service's own, on for a GPU)",
     )
-    ap.add_argument(
-        "--overlap",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule step k+1 while step k runs (async scheduling); default: the engine's (on for CUDA)",
-    )
+    add_overlap_flag(ap)
     ap.add_argument(
         "--peer",
         choices=["hf"],
