@@ -258,15 +258,22 @@ def mma_pv(p, v, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.cons
 
 
 @triton.jit
-def page_slots(table, tok, t_mask, PAGE: tl.constexpr, ROW_MASK: tl.constexpr):
+def page_slots(table, tok, t_mask, PAGE: tl.constexpr):
     """The cache page (int64) and slot of one sequence's tokens `tok`, found through its block
-    table (`table`: the sequence's row of page ids); a token's K/V row is page x the page stride
-    + slot x the token stride. With ROW_MASK, tokens outside t_mask read no table entry (page 0)."""
-    if ROW_MASK:
-        page = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
-    else:
+    table (`table`: the sequence's row of page ids). Tokens outside t_mask read no table entry
+    (page 0); t_mask None: every token is in range."""
+    if t_mask is None:
         page = tl.load(table + tok // PAGE).to(tl.int64)
+    else:
+        page = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
     return page, tok % PAGE
+
+
+@triton.jit
+def tile_ptrs(head, page, slot, stride_b, stride_s, offs_d):
+    """The (tokens, BLOCK_D) pointers of the tokens' rows in one cache (`head`: offset to the
+    KV head), from page_slots' page and slot: page x the page stride + slot x the token stride."""
+    return head + (page * stride_b + slot * stride_s)[:, None] + offs_d[None, :]
 
 
 @triton.jit

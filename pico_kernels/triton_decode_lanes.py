@@ -55,7 +55,7 @@ def attend_pages_lanes(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         t_mask = tok < end
-        page, slot = page_slots(table, tok, t_mask, PAGE, True)
+        page, slot = page_slots(table, tok, t_mask, PAGE)
         mask = t_mask[:, None] & d_mask
         k_rows = (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
         v_rows = (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]

@@ -11,7 +11,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pico_kernels.triton_common import load_rows, mma, mma_pv, page_slots, query_operand, round_to, softmax_step
+from pico_kernels.triton_common import (
+    load_rows,
+    mma,
+    mma_pv,
+    page_slots,
+    query_operand,
+    round_to,
+    softmax_step,
+    tile_ptrs,
+)
 
 
 @triton.jit
@@ -36,11 +45,11 @@ def attend_pages(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         t_mask = tok < end
-        page, slot = page_slots(table, tok, t_mask, PAGE, True)
-        k = load_rows(k_head + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # (BLOCK_N, BLOCK_D)  # fmt: skip
-        v = load_rows(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # fmt: skip
+        page, slot = page_slots(table, tok, t_mask, PAGE)
+        k = load_rows(tile_ptrs(k_head, page, slot, stride_kb, stride_ks, offs_d), t_mask, d_mask, True, D_MASK)
+        k = k.to(q.dtype)  # (BLOCK_N, BLOCK_D)
+        v = load_rows(tile_ptrs(v_head, page, slot, stride_vb, stride_vs, offs_d), t_mask, d_mask, True, D_MASK)
+        v = v.to(q.dtype)
         qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (ROWS, BLOCK_N)
         qk = tl.where(t_mask[None, :], qk, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)

@@ -48,6 +48,7 @@ from pico_kernels.triton_common import (
     softmax_step,
     softmax_step_safe,
     split_p,
+    tile_ptrs,
     upcast_dot,
 )
 
@@ -106,9 +107,9 @@ def _masked_tiles(
     for n0 in range(kv_start, kv_end, BLOCK_N):
         tok = n0 + offs_n
         t_mask = tok < kv_end
-        page, slot = page_slots(table, tok, t_mask, PAGE, True)
-        k = load_rows(k_head + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # fmt: skip
+        page, slot = page_slots(table, tok, t_mask, PAGE)
+        k = load_rows(tile_ptrs(k_head, page, slot, stride_kb, stride_ks, offs_d), t_mask, d_mask, True, D_MASK)
+        k = k.to(q.dtype)
         qk = mma(q, tl.trans(k), PRECISION, UPCAST)
         visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
         if WINDOWED:  # a row may have no visible key in a tile, nor yet any: the safe step
@@ -118,8 +119,8 @@ def _masked_tiles(
         else:
             qk = tl.where(visible, qk, float("-inf"))
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-        v = load_rows(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                      t_mask, d_mask, True, D_MASK).to(q.dtype)  # fmt: skip
+        v = load_rows(tile_ptrs(v_head, page, slot, stride_vb, stride_vs, offs_d), t_mask, d_mask, True, D_MASK)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
     return acc, m_i, l_i
 
@@ -207,13 +208,13 @@ def _prefill_kernel(
         # Phase 1: key tiles below the diagonal, no mask.
         for n0 in range(full_start, full_end, BLOCK_N):
             tok = n0 + offs_n
-            page, slot = page_slots(table, tok, None, PAGE, False)
-            k = load_rows(k_head + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                          offs_n, d_mask, False, D_MASK).to(q.dtype)  # (BLOCK_N, BLOCK_D)  # fmt: skip
+            page, slot = page_slots(table, tok, None, PAGE)
+            k = load_rows(tile_ptrs(k_head, page, slot, stride_kb, stride_ks, offs_d), offs_n, d_mask, False, D_MASK)
+            k = k.to(q.dtype)  # (BLOCK_N, BLOCK_D)
             qk = mma(q, tl.trans(k), PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, scale_log2)
-            v = load_rows(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                          offs_n, d_mask, False, D_MASK).to(q.dtype)  # fmt: skip
+            v = load_rows(tile_ptrs(v_head, page, slot, stride_vb, stride_vs, offs_d), offs_n, d_mask, False, D_MASK)
+            v = v.to(q.dtype)
             acc = acc * alpha[:, None] + mma_pv(p, v, PRECISION, UPCAST, SPLIT_P)
 
         # Phase 2: key tiles across the diagonal, causal mask. Without a window no row's max
